@@ -1,0 +1,294 @@
+#include "batch_norm_args.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace torch_bn_grad {
+namespace {
+
+constexpr int64_t kMaxRank = 8;
+
+bool is_half_type(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_data_dtype(const char* op, const char* name, const at::Tensor& t) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kDouble || dt == at::kFloat || is_half_type(dt), op, ": ", name,
+                   " must have dtype float64, float32, float16 or bfloat16, got ", dt);
+}
+
+void check_epsilon(const char* op, double epsilon) {
+  TORCH_CHECK_VALUE(std::isfinite(epsilon) && epsilon >= 0, op,
+                    ": epsilon must be finite and >= 0, got ", epsilon);
+}
+
+void check_data_format(const char* op, c10::string_view data_format) {
+  TORCH_CHECK_VALUE(data_format == "NCX" || data_format == "NXC", op,
+                    ": data_format must be 'NCX' or 'NXC', got '", std::string(data_format), "'");
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                       const at::Tensor& src) {
+  TORCH_CHECK_VALUE(t.device() == src.device(), op, ": ", name, " must be on src's device (",
+                    src.device(), "), got ", t.device());
+}
+
+// Per-channel tensors share one dtype: src's, or float32 for half-precision src.
+void check_param_dtype(const char* op, const char* name, const at::Tensor& t,
+                       const at::Tensor& src, const at::Tensor* first, const char* first_name) {
+  const auto dt = t.scalar_type();
+  const auto sdt = src.scalar_type();
+  if (is_half_type(sdt)) {
+    TORCH_CHECK_TYPE(dt == sdt || dt == at::kFloat, op, ": ", name, " must have dtype float32 or ",
+                     sdt, " (src is ", sdt, "), got ", dt);
+  } else {
+    TORCH_CHECK_TYPE(dt == sdt, op, ": ", name, " must have src's dtype ", sdt, ", got ", dt);
+  }
+  if (first != nullptr) {
+    TORCH_CHECK_TYPE(dt == first->scalar_type(), op, ": ", name, " must have the same dtype as ",
+                     first_name, " (", first->scalar_type(), "), got ", dt);
+  }
+}
+
+// Which dims of src are per-channel (kept), from a reference per-channel tensor
+// or, without one, from data_format.
+std::vector<bool> kept_dims(const char* op, const at::Tensor& src, const at::Tensor* ref,
+                            const char* ref_name, c10::string_view data_format,
+                            std::vector<int64_t>& stats_shape) {
+  const int64_t rank = src.dim();
+  std::vector<bool> kept(rank, false);
+  const bool broadcast_form = ref != nullptr && ref->dim() == rank && (rank == 1 || ref->dim() >= 2);
+  if (broadcast_form) {
+    for (int64_t d = 0; d < rank; ++d) {
+      const int64_t s = ref->size(d);
+      TORCH_CHECK_VALUE(s == 1 || s == src.size(d), op, ": ", ref_name, " has src's rank ", rank,
+                        " (broadcast form), so each of its dims must be 1 or equal src's; dim ",
+                        d, " must be 1 or ", src.size(d), ", got ", s, " (", ref_name, " shape ",
+                        ref->sizes(), ", src shape ", src.sizes(), ")");
+      kept[d] = s != 1;
+    }
+    stats_shape = ref->sizes().vec();
+    return kept;
+  }
+  TORCH_CHECK_VALUE(rank >= 2, op, ": src of rank 1 takes the broadcast form: ",
+                    ref != nullptr ? ref_name : "mean/variance or gamma/beta",
+                    " must have shape (L,) or (1,), got ",
+                    ref != nullptr ? c10::str(ref->sizes()) : std::string("none"));
+  const int64_t axis = data_format == "NCX" ? 1 : rank - 1;
+  const int64_t channels = src.size(axis);
+  if (ref != nullptr) {
+    TORCH_CHECK_VALUE(ref->dim() == 1, op, ": ", ref_name, " must be 1-D of length C or have src's rank ",
+                      rank, ", got shape ", ref->sizes());
+    TORCH_CHECK_VALUE(ref->size(0) == channels, op, ": ", ref_name, " must have shape [", channels,
+                      "] (C is dim ", axis, " of src shape ", src.sizes(), " for data_format='",
+                      std::string(data_format), "'), got ", ref->sizes());
+  }
+  kept[axis] = true;
+  stats_shape = {channels};
+  return kept;
+}
+
+int64_t product(const at::Tensor& t, const std::vector<int64_t>& dims, size_t from, size_t to) {
+  int64_t p = 1;
+  for (size_t i = from; i < to; ++i) p *= t.size(dims[i]);
+  return p;
+}
+
+// Finds an order of src's non-unit dims in which the kept ones form one run,
+// preferring src's memory order so that the kernel reads the storage as it is.
+ChannelPlan build_plan(const at::Tensor& src, const std::vector<bool>& kept,
+                       std::vector<int64_t> stats_shape) {
+  const int64_t rank = src.dim();
+  std::vector<int64_t> unit, logical;
+  for (int64_t d = 0; d < rank; ++d) (src.size(d) == 1 ? unit : logical).push_back(d);
+
+  auto kept_is_run = [&](const std::vector<int64_t>& order, size_t& begin, size_t& end) {
+    begin = order.size();
+    end = order.size();
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (!kept[order[i]]) continue;
+      if (begin == order.size()) begin = i;
+      else if (end != i) return false;  // a gap since the run ended
+      end = i + 1;
+    }
+    if (begin == order.size()) end = begin;  // no kept dim
+    return true;
+  };
+
+  std::vector<int64_t> order = logical;
+  if (src.is_non_overlapping_and_dense()) {
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return src.stride(a) > src.stride(b); });
+  }
+  size_t begin = 0, end = 0;
+  if (!kept_is_run(order, begin, end)) {
+    order = logical;
+    if (!kept_is_run(order, begin, end)) {
+      order.clear();
+      for (int64_t d : logical) if (!kept[d]) order.push_back(d);
+      for (int64_t d : logical) if (kept[d]) order.push_back(d);
+      kept_is_run(order, begin, end);
+    }
+  }
+
+  ChannelPlan plan;
+  plan.permutation = unit;
+  plan.permutation.insert(plan.permutation.end(), order.begin(), order.end());
+  if (begin == end) {
+    // Nothing kept: one channel over everything, read as one long row.
+    plan.outer = 1;
+    plan.channels = 1;
+    plan.inner = product(src, order, 0, order.size());
+  } else {
+    plan.outer = product(src, order, 0, begin);
+    plan.channels = product(src, order, begin, end);
+    plan.inner = product(src, order, end, order.size());
+  }
+  plan.kept_kernel.assign(order.begin() + begin, order.begin() + end);
+  plan.kept_logical = plan.kept_kernel;
+  std::sort(plan.kept_logical.begin(), plan.kept_logical.end());
+  plan.stats_shape = std::move(stats_shape);
+  return plan;
+}
+
+void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
+                 const std::vector<int64_t>& stats_shape, const at::Tensor* first,
+                 const char* first_name) {
+  check_same_device(op, name, t, src);
+  check_param_dtype(op, name, t, src, first, first_name);
+  TORCH_CHECK_VALUE(t.sizes().vec() == stats_shape, op, ": ", name, " must have shape ",
+                    c10::IntArrayRef(stats_shape), " (like ", first != nullptr ? first_name : "the statistics",
+                    "), got ", t.sizes());
+}
+
+void check_src(const char* op, const at::Tensor& src, double epsilon, c10::string_view data_format) {
+  check_data_dtype(op, "src", src);
+  TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() <= kMaxRank, op, ": src must have rank 1 to ",
+                    kMaxRank, ", got rank ", src.dim(), " (shape ", src.sizes(), ")");
+  check_epsilon(op, epsilon);
+  check_data_format(op, data_format);
+}
+
+}  // namespace
+
+ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_dst,
+                                const at::Tensor& mean, const at::Tensor& variance,
+                                const std::optional<at::Tensor>& gamma, double epsilon,
+                                c10::string_view data_format) {
+  const char* op = "batch_norm_backward";
+  check_src(op, src, epsilon, data_format);
+  check_same_device(op, "diff_dst", diff_dst, src);
+  TORCH_CHECK_TYPE(diff_dst.scalar_type() == src.scalar_type(), op,
+                   ": diff_dst must have src's dtype ", src.scalar_type(), ", got ",
+                   diff_dst.scalar_type());
+  TORCH_CHECK_VALUE(diff_dst.sizes() == src.sizes(), op, ": diff_dst must have src's shape ",
+                    src.sizes(), ", got ", diff_dst.sizes());
+  std::vector<int64_t> stats_shape;
+  check_same_device(op, "mean", mean, src);
+  check_param_dtype(op, "mean", mean, src, nullptr, nullptr);
+  const auto kept = kept_dims(op, src, &mean, "mean", data_format, stats_shape);
+  check_param(op, "variance", variance, src, stats_shape, &mean, "mean");
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, &mean, "mean");
+  return build_plan(src, kept, std::move(stats_shape));
+}
+
+ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                               const std::optional<at::Tensor>& beta,
+                               const std::optional<at::Tensor>& mean,
+                               const std::optional<at::Tensor>& variance, double epsilon,
+                               c10::string_view data_format) {
+  const char* op = "batch_norm_forward";
+  check_src(op, src, epsilon, data_format);
+  TORCH_CHECK_VALUE(mean.has_value() == variance.has_value(), op,
+                    ": mean and variance must be given together (frozen statistics) or both "
+                    "omitted (batch statistics), got mean=",
+                    mean.has_value() ? "tensor" : "None", " and variance=",
+                    variance.has_value() ? "tensor" : "None");
+  // The first per-channel tensor given fixes the shape, dtype and reduced axes.
+  const std::pair<const char*, const std::optional<at::Tensor>*> params[] = {
+      {"mean", &mean}, {"variance", &variance}, {"gamma", &gamma}, {"beta", &beta}};
+  const at::Tensor* first = nullptr;
+  const char* first_name = nullptr;
+  for (const auto& [name, t] : params) {
+    if (t->has_value()) {
+      first = &t->value();
+      first_name = name;
+      break;
+    }
+  }
+  std::vector<int64_t> stats_shape;
+  if (first != nullptr) {
+    check_same_device(op, first_name, *first, src);
+    check_param_dtype(op, first_name, *first, src, nullptr, nullptr);
+  }
+  const auto kept = kept_dims(op, src, first, first_name, data_format, stats_shape);
+  for (const auto& [name, t] : params) {
+    if (t->has_value() && &t->value() != first) check_param(op, name, t->value(), src, stats_shape, first, first_name);
+  }
+  return build_plan(src, kept, std::move(stats_shape));
+}
+
+at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {
+  return t.permute(plan.permutation).contiguous();
+}
+
+KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan) {
+  KernelOutput out;
+  out.result = at::empty_like(src);
+  auto view = out.result.permute(plan.permutation);
+  out.buffer = view.is_contiguous() ? view : at::empty(view.sizes(), src.options());
+  return out;
+}
+
+void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan) {
+  auto view = out.result.permute(plan.permutation);
+  if (!view.is_same(out.buffer) && view.data_ptr() != out.buffer.data_ptr()) view.copy_(out.buffer);
+}
+
+namespace {
+std::vector<int64_t> sizes_of(const at::Tensor& like, const std::vector<int64_t>& dims) {
+  std::vector<int64_t> s;
+  for (int64_t d : dims) s.push_back(like.size(d));
+  return s;
+}
+// Position of each kernel-order kept dim within the logical order.
+std::vector<int64_t> kernel_from_logical(const ChannelPlan& plan) {
+  std::vector<int64_t> perm;
+  for (int64_t d : plan.kept_kernel) {
+    perm.push_back(std::find(plan.kept_logical.begin(), plan.kept_logical.end(), d) -
+                   plan.kept_logical.begin());
+  }
+  return perm;
+}
+}  // namespace
+
+at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
+                              at::ScalarType dtype, double fill, const at::Tensor& like) {
+  if (!t.has_value()) return at::full({plan.channels}, fill, like.options().dtype(dtype));
+  if (plan.kept_kernel == plan.kept_logical) return t->reshape({plan.channels}).to(dtype).contiguous();
+  return t->reshape(sizes_of(like, plan.kept_logical))
+      .permute(kernel_from_logical(plan))
+      .to(dtype)
+      .contiguous()
+      .view({plan.channels});
+}
+
+at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan, at::ScalarType dtype,
+                                const at::Tensor& like) {
+  if (plan.kept_kernel == plan.kept_logical) return v.reshape(plan.stats_shape).to(dtype).contiguous();
+  const auto to_logical = kernel_from_logical(plan);
+  std::vector<int64_t> inverse(to_logical.size());
+  for (size_t i = 0; i < to_logical.size(); ++i) inverse[to_logical[i]] = static_cast<int64_t>(i);
+  return v.view(sizes_of(like, plan.kept_kernel)).permute(inverse).to(dtype).contiguous().reshape(plan.stats_shape);
+}
+
+at::ScalarType accumulate_type(at::ScalarType data) {
+  return data == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace torch_bn_grad

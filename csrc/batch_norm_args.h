@@ -1,0 +1,78 @@
+// Argument validation and the memory plan shared by every backend.
+//
+// Every operator views its data as a contiguous [outer, channels, inner] array:
+// `channels` enumerates the kept (per-channel) positions, and the reduction for
+// a channel runs over `outer * inner` elements. Most real layouts (NCHW,
+// channels_last, NXC, and the common DirectML broadcast patterns) are such a
+// view of the original storage, so kernels read the tensors without copies;
+// any other layout is first copied into one.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace torch_bn_grad {
+
+struct ChannelPlan {
+  // Permutation of src's dims that makes the data an [outer, channels, inner]
+  // array; contiguous() of src.permute(permutation) is free when the layout fits.
+  std::vector<int64_t> permutation;
+  int64_t outer = 1;
+  int64_t channels = 1;
+  int64_t inner = 1;
+  // Shape of the per-channel tensors (mean, variance, gamma, beta, diff_gamma).
+  std::vector<int64_t> stats_shape;
+  // Kept dims of src in logical order and in kernel order; they differ only for
+  // broadcast statistics over a permuted layout.
+  std::vector<int64_t> kept_logical;
+  std::vector<int64_t> kept_kernel;
+
+  int64_t reduced_count() const { return outer * inner; }
+};
+
+// Validates the backward operator's arguments (ValueError / TypeError naming
+// the argument) and returns the plan. Nothing is allocated before it returns.
+ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_dst,
+                                const at::Tensor& mean, const at::Tensor& variance,
+                                const std::optional<at::Tensor>& gamma, double epsilon,
+                                c10::string_view data_format);
+
+// Validates the forward operator's arguments and returns the plan.
+ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                               const std::optional<at::Tensor>& beta,
+                               const std::optional<at::Tensor>& mean,
+                               const std::optional<at::Tensor>& variance, double epsilon,
+                               c10::string_view data_format);
+
+// `t` (src's shape) as a contiguous [outer, channels, inner] tensor; a view
+// when its layout allows, else a copy.
+at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan);
+
+// An output tensor laid out like `src` (its memory format), plus the
+// contiguous [outer, channels, inner] buffer the kernel writes. The buffer
+// aliases the output when the layouts agree; otherwise call
+// `finish_kernel_output` after the kernel has run.
+struct KernelOutput {
+  at::Tensor result;
+  at::Tensor buffer;
+};
+KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan);
+void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan);
+
+// A per-channel tensor (stats_shape) as a contiguous 1-D tensor of `dtype` in
+// kernel channel order; `fill` is used when `t` is absent.
+at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
+                              at::ScalarType dtype, double fill, const at::Tensor& like);
+
+// A 1-D kernel-order channel vector back to stats_shape in `dtype`.
+at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan,
+                                at::ScalarType dtype, const at::Tensor& like);
+
+// Accumulation type for a data dtype: float64 for float64, else float32.
+at::ScalarType accumulate_type(at::ScalarType data);
+
+}  // namespace torch_bn_grad

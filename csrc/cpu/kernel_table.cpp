@@ -1,0 +1,21 @@
+// Picks the kernels compiled for the running CPU, once.
+#include "cpu/kernels/kernel_table.h"
+
+#include <ATen/Version.h>
+
+namespace torch_bn_grad::cpu {
+
+const KernelTable& kernel_table() {
+  static const KernelTable& table = []() -> const KernelTable& {
+#if defined(__x86_64__) || defined(_M_X64)
+    // Honours ATEN_CPU_CAPABILITY, like ATen's own kernels.
+    const std::string capability = at::get_cpu_capability();
+    if (capability == "AVX512") return kernel_table_AVX512();
+    if (capability == "AVX2") return kernel_table_AVX2();
+#endif
+    return kernel_table_DEFAULT();
+  }();
+  return table;
+}
+
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,46 @@
+// The CPU kernels' interface. The kernels are compiled once per instruction
+// set (csrc/cpu/kernels/*.cpp, see setup.py); `kernel_table()` returns the
+// copy that matches the running CPU (at::get_cpu_capability()).
+//
+// Every data tensor is a contiguous [outer, channels, inner] array; per-channel
+// inputs are contiguous vectors of the accumulation type (float64 for float64
+// data, float32 otherwise); per-channel outputs are float64 vectors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace torch_bn_grad::cpu {
+
+struct Extent {
+  int64_t outer;
+  int64_t channels;
+  int64_t inner;
+};
+
+struct KernelTable {
+  // Batch mean and biased variance of each channel.
+  void (*batch_stats)(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::Tensor& var);
+  // dst = (src - mean) * scale + shift.
+  void (*normalize)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& mean,
+                    const at::Tensor& scale, const at::Tensor& shift);
+  // sum_dy = sum(diff_dst), sum_dy_xc = sum(diff_dst * (src - mean)), in one pass.
+  void (*grad_sums)(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e,
+                    const at::Tensor& mean, at::Tensor& sum_dy, at::Tensor& sum_dy_xc);
+  // diff_src = a * diff_dst + b * (src - mean) + c.
+  void (*grad_input)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src,
+                     const Extent& e, const at::Tensor& mean, const at::Tensor& a,
+                     const at::Tensor& b, const at::Tensor& c);
+  const char* isa;
+};
+
+const KernelTable& kernel_table();
+
+// One table per compiled instruction set (defined in the per-ISA objects).
+const KernelTable& kernel_table_DEFAULT();
+const KernelTable& kernel_table_AVX2();
+const KernelTable& kernel_table_AVX512();
+
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,111 @@
+"""Build script for torch_bn_grad.
+
+The C++ operators are always built for the CPU. The hot CPU kernels in
+``csrc/cpu/kernels/`` are compiled once per instruction set (default, AVX2,
+AVX512) and the matching copy is picked at run time from
+``at::get_cpu_capability()``. CUDA sources are added only when the installed
+torch was built with CUDA and a CUDA toolkit is found.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import platform
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fvisibility-inlines-hidden"]
+LINK_FLAGS = ["-fopenmp"]
+
+# Flags per CPU capability, named as at::CPUCapability names them. Each copy of
+# the kernels lives in its own namespace (CPU_CAPABILITY), like ATen's own.
+ISA_FLAGS: dict[str, list[str]] = {}
+if platform.machine() in ("x86_64", "AMD64"):
+    ISA_FLAGS = {
+        "DEFAULT": [],
+        "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"],
+        "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                   "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"],
+    }
+else:
+    ISA_FLAGS = {"DEFAULT": []}
+
+ISA_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
+
+
+def _with_cuda() -> bool:
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+class BuildWithIsaKernels(BuildExtension):
+    """BuildExtension that also compiles the CPU kernels once per ISA.
+
+    The per-ISA objects are linked after the generic ones (default ISA first),
+    so that where an inline header function exists in several objects the
+    linker keeps the baseline copy.
+    """
+
+    def build_extension(self, ext) -> None:  # noqa: D102 (setuptools hook)
+        cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) \
+            else list(ext.extra_compile_args)
+        objects: list[str] = []
+        for isa, flags in ISA_FLAGS.items():
+            defines = [f"-DCPU_CAPABILITY={isa}"]
+            if isa != "DEFAULT":
+                defines.append(f"-DCPU_CAPABILITY_{isa}")
+            objects += self.compiler.compile(
+                ISA_SOURCES,
+                output_dir=os.path.join(self.build_temp, "isa", isa.lower()),
+                include_dirs=ext.include_dirs,
+                extra_postargs={"cxx": cxx + flags + defines, "nvcc": []},
+            )
+        ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extension(ext)
+
+
+def _extension():
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    defines: list[str] = []
+    kwargs = dict(
+        name="torch_bn_grad._C",
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_link_args=LINK_FLAGS,
+        py_limited_api=False,
+    )
+    if _with_cuda():
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if not arch:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        return CUDAExtension(
+            sources=sources,
+            extra_compile_args={
+                "cxx": CXX_FLAGS + defines + ["-DTORCH_BN_GRAD_WITH_CUDA"],
+                "nvcc": ["-O3", "--use_fast_math", "-std=c++17", "-DTORCH_BN_GRAD_WITH_CUDA"],
+            },
+            **kwargs,
+        )
+    return CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS + defines}, **kwargs)
+
+
+setup(
+    name="torch_bn_grad",
+    version="0.1.0",
+    description="Fast, exact, fused batch-norm forward and backward operators for PyTorch",
+    packages=find_packages(include=["torch_bn_grad", "torch_bn_grad.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildWithIsaKernels},
+    python_requires=">=3.9",
+    install_requires=["torch"],
+    extras_require={"test": ["pytest", "hypothesis", "numpy"], "plot": ["matplotlib"]},
+)
