@@ -1,2 +1,29 @@
-"""torch_bn_grad: fused, exact and fast batch-normalization operators for PyTorch."""
+"""torch_bn_grad: fused, exact and fast batch-normalization operators for PyTorch.
+
+Operators (registered under ``torch.ops.torch_bn_grad``):
+:func:`batch_norm_forward`, :func:`batch_norm_backward`.
+Autograd: :class:`BatchNormFunction`. Functional: :mod:`torch_bn_grad.functional`.
+Modules: :mod:`torch_bn_grad.nn` and :func:`convert_batchnorm`.
+"""
+
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
+from torch_bn_grad import functional, nn
+from torch_bn_grad.autograd import BatchNormFunction
+from torch_bn_grad.nn import convert_batchnorm
+from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
+
+__all__ = [
+    "BatchNormFunction",
+    "batch_norm_backward",
+    "batch_norm_forward",
+    "convert_batchnorm",
+    "functional",
+    "nn",
+]
+
+__version__ = "0.1.0"
+
+
+def cpu_kernel_isa() -> str:
+    """Instruction set of the CPU kernels in use: ``"DEFAULT"``, ``"AVX2"`` or ``"AVX512"``."""
+    return _C.cpu_kernel_isa()

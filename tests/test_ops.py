@@ -1,0 +1,203 @@
+"""Numerics of the operators against the float64 reference, for every dtype,
+data format, rank and memory layout; opcheck; the per-ISA kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_bn_grad
+from reference import assert_close, cases, reference_backward, reference_forward
+
+CASES = list(cases())
+IDS = [str(c) for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("frozen", [False, True], ids=["batch", "frozen"])
+def test_forward_matches_reference(case, frozen):
+    g = torch.Generator().manual_seed(0)
+    x = case.make(g, scale=2.0, offset=0.5)
+    gamma, beta, mean, var = case.params(g)
+    args = (mean, var) if frozen else (None, None)
+    dst, m, v = torch_bn_grad.batch_norm_forward(x, gamma, beta, *args, data_format=case.data_format)
+    ref, ref_m, ref_v = reference_forward(x, gamma, beta, *args, 1e-5, case.data_format)
+    assert dst.dtype == x.dtype and dst.shape == x.shape
+    assert m.dtype == v.dtype == gamma.dtype and m.shape == v.shape == (case.channels,)
+    if case.layout == "channels_last":
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        assert dst.is_contiguous(memory_format=fmt)
+    if case.layout == "transposed":
+        assert dst.stride() == x.stride()
+    assert_close(dst, ref, case.dtype)
+    assert_close(m, ref_m, torch.float32 if case.dtype != torch.float64 else case.dtype)
+    assert_close(v, ref_v, torch.float32 if case.dtype != torch.float64 else case.dtype, scale=4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("training", [True, False], ids=["training", "frozen"])
+@pytest.mark.parametrize("with_gamma", [True, False], ids=["gamma", "nogamma"])
+def test_backward_matches_reference(case, training, with_gamma):
+    g = torch.Generator().manual_seed(1)
+    x = case.make(g, scale=2.0, offset=0.5)
+    dy = case.make(g)
+    gamma, _, mean, var = case.params(g)
+    if training:
+        _, mean, var = reference_forward(x, None, None, None, None, 1e-5, case.data_format)
+        mean, var = mean.to(gamma.dtype), var.to(gamma.dtype)
+    gamma = gamma if with_gamma else None
+    dx, dg, db = torch_bn_grad.batch_norm_backward(
+        x, dy, mean, var, gamma, data_format=case.data_format, training=training
+    )
+    ref_dx, ref_dg, ref_db = reference_backward(x, dy, mean, var, gamma, 1e-5, case.data_format, training)
+    assert dx.dtype == x.dtype and dg.dtype == db.dtype == mean.dtype
+    assert dx.stride() == torch.empty_like(x).stride()
+    m = x.numel() // case.channels
+    assert_close(dx, ref_dx, case.dtype, scale=2)
+    # Parameter gradients are sums of M terms.
+    assert_close(dg, ref_dg, case.dtype, scale=m)
+    assert_close(db, ref_db, case.dtype, scale=m)
+
+
+def test_output_mask_returns_none():
+    x, dy = torch.randn(4, 3, 5), torch.randn(4, 3, 5)
+    mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
+    full = torch_bn_grad.batch_norm_backward(x, dy, mean, var)
+    for mask in [(True, False, False), (False, True, True), (False, False, True), (False, False, False)]:
+        out = torch_bn_grad.batch_norm_backward(x, dy, mean, var, output_mask=mask)
+        for o, f, wanted in zip(out, full, mask):
+            if wanted:
+                torch.testing.assert_close(o, f, atol=0, rtol=0)
+            else:
+                assert o is None
+
+
+def test_empty_batch():
+    x = torch.randn(0, 3, 4)
+    dst, mean, var = torch_bn_grad.batch_norm_forward(x)
+    assert dst.shape == x.shape and mean.isnan().all() and var.isnan().all()
+    dx, dg, db = torch_bn_grad.batch_norm_backward(x, x.clone(), torch.zeros(3), torch.ones(3))
+    assert dx.shape == x.shape
+    assert torch.equal(dg, torch.zeros(3)) and torch.equal(db, torch.zeros(3))
+
+
+def test_inputs_are_not_modified():
+    g = torch.Generator().manual_seed(2)
+    x, dy = torch.randn(4, 3, 5, generator=g), torch.randn(4, 3, 5, generator=g)
+    mean, var, gamma = torch.randn(3, generator=g), torch.rand(3, generator=g) + 1, torch.randn(3, generator=g)
+    before = [t.clone() for t in (x, dy, mean, var, gamma)]
+    torch_bn_grad.batch_norm_backward(x, dy, mean, var, gamma)
+    torch_bn_grad.batch_norm_forward(x, gamma, gamma, mean, var)
+    torch_bn_grad.batch_norm_forward(x, gamma, gamma)
+    for t, b in zip((x, dy, mean, var, gamma), before):
+        assert torch.equal(t, b)
+
+
+def test_half_data_with_same_dtype_parameters():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4, 6, generator=g).bfloat16()
+    gamma = torch.rand(4, generator=g).bfloat16() + 0.5
+    dst, mean, var = torch_bn_grad.batch_norm_forward(x, gamma, None, gamma * 0, gamma)
+    assert mean.dtype == torch.bfloat16
+    ref, _, _ = reference_forward(x, gamma, None, gamma * 0, gamma, 1e-5, "NCX")
+    assert_close(dst, ref, torch.bfloat16)
+
+
+def test_results_do_not_depend_on_thread_count():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 8, 40, 40, generator=g) * 3 + 100
+    dy = torch.randn(16, 8, 40, 40, generator=g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for t in (x, x.to(memory_format=torch.channels_last)):
+                dst, mean, var = torch_bn_grad.batch_norm_forward(t)
+                grads = torch_bn_grad.batch_norm_backward(t, dy, mean, var)
+                results.append((dst, mean, var, *grads))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(results[0], results[2]):
+        assert torch.equal(a, b)
+    for a, b in zip(results[1], results[3]):
+        assert torch.equal(a, b)
+
+
+OPCHECK_CASES = [
+    (dtype, layout, rg)
+    for dtype in (torch.float32, torch.bfloat16)
+    for layout in ("contiguous", "channels_last")
+    for rg in (False, True)
+]
+
+
+def _opcheck_inputs(dtype, layout, requires_grad):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 5, 6, generator=g).to(dtype)
+    dy = torch.randn(4, 3, 5, 6, generator=g).to(dtype)
+    if layout == "channels_last":
+        x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
+    gamma, beta = torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
+    mean, var = x.float().mean((0, 2, 3)), x.float().var((0, 2, 3), unbiased=False)
+    if requires_grad:
+        for t in (x, dy, gamma, beta):
+            t.requires_grad_()
+    return x, dy, gamma, beta, mean, var
+
+
+@pytest.mark.parametrize("dtype,layout,requires_grad", OPCHECK_CASES)
+def test_opcheck_forward(dtype, layout, requires_grad):
+    x, _, gamma, beta, mean, var = _opcheck_inputs(dtype, layout, requires_grad)
+    op = torch.ops.torch_bn_grad.batch_norm_forward.default
+    torch.library.opcheck(op, (x, gamma, beta, None, None, 1e-5, "NCX"))
+    torch.library.opcheck(op, (x, gamma, beta, mean, var, 1e-5, "NCX"))
+
+
+@pytest.mark.parametrize("dtype,layout,requires_grad", OPCHECK_CASES)
+def test_opcheck_backward(dtype, layout, requires_grad):
+    x, dy, gamma, _, mean, var = _opcheck_inputs(dtype, layout, requires_grad)
+    op = torch.ops.torch_bn_grad.batch_norm_backward.default
+    torch.library.opcheck(op, (x, dy, mean, var, gamma, 1e-5, "NCX", True, [True, True, True]))
+    torch.library.opcheck(op, (x, dy, mean, var, None, 1e-5, "NCX", False, [True, False, True]))
+
+
+_ISA_SCRIPT = r"""
+import json, torch, torch_bn_grad
+g = torch.Generator().manual_seed(6)
+out = {"isa": torch_bn_grad.cpu_kernel_isa(), "results": []}
+for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    for shape, fmt in (((4, 5, 33), "NCX"), ((37, 70), "NXC"), ((3, 300, 3), "NXC")):
+        x = torch.randn(shape, generator=g).to(dtype) * 2 + 3
+        dy = torch.randn(shape, generator=g).to(dtype)
+        dst, mean, var = torch_bn_grad.batch_norm_forward(x, data_format=fmt)
+        dx, dg, db = torch_bn_grad.batch_norm_backward(x, dy, mean, var, data_format=fmt)
+        out["results"].append([t.double().flatten().tolist() for t in (dst, mean, var, dx, dg, db)])
+print(json.dumps(out))
+"""
+
+
+def _run_with_capability(capability: str) -> dict:
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+def test_every_isa_kernel_agrees():
+    """Each compiled ISA copy runs when selected and gives the same results."""
+    order = ["default", "avx2", "avx512"]
+    supported = torch.backends.cpu.get_cpu_capability().lower()
+    capabilities = order[: order.index(supported) + 1] if supported in order else ["default"]
+    runs = {c: _run_with_capability(c) for c in capabilities}
+    for c, run in runs.items():
+        assert run["isa"] == c.upper()
+    base = runs["default"]["results"]
+    for c, run in runs.items():
+        for case_a, case_b in zip(base, run["results"]):
+            for a, b in zip(case_a, case_b):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-2, rtol=1e-2)

@@ -1,0 +1,83 @@
+"""``BatchNormFunction``: batch normalization as a ``torch.autograd.Function``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from torch_bn_grad import ops
+
+__all__ = ["BatchNormFunction"]
+
+
+class BatchNormFunction(torch.autograd.Function):
+    """``dst = BatchNormFunction.apply(src, gamma, beta, mean, variance, epsilon, data_format)``.
+
+    ``mean``/``variance`` both ``None`` means training: the batch statistics are
+    computed and the training-mode gradient is returned. Both given means
+    frozen statistics. The forward runs :func:`torch_bn_grad.batch_norm_forward`
+    and saves ``src``, the statistics and ``gamma``; the backward runs
+    :func:`torch_bn_grad.batch_norm_backward` and returns diff_src, diff_gamma
+    and diff_beta (and, for frozen statistics that require grad, their
+    gradients). Gradients of any order are supported.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        src: Tensor,
+        gamma: Optional[Tensor] = None,
+        beta: Optional[Tensor] = None,
+        mean: Optional[Tensor] = None,
+        variance: Optional[Tensor] = None,
+        epsilon: float = 1e-5,
+        data_format: str = "NCX",
+    ) -> Tensor:
+        dst, mean_used, variance_used = ops.batch_norm_forward(
+            src, gamma, beta, mean, variance, epsilon=epsilon, data_format=data_format
+        )
+        # Frozen statistics are saved as given, so that double backward reaches them.
+        ctx.save_for_backward(
+            src, gamma, mean if mean is not None else mean_used,
+            variance if variance is not None else variance_used,
+        )
+        ctx.training = mean is None
+        ctx.epsilon = epsilon
+        ctx.data_format = data_format
+        return dst
+
+    @staticmethod
+    def backward(ctx: Any, grad_dst: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        src, gamma, mean, variance = ctx.saved_tensors
+        need_src, need_gamma, need_beta, need_mean, need_variance = ctx.needs_input_grad[:5]
+        if ctx.training:
+            if torch.is_grad_enabled():
+                # Double backward: the statistics are functions of src, so take them
+                # from the differentiable operator instead of the saved constants.
+                _, mean, variance = ops.batch_norm_forward(
+                    src, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format
+                )
+            diff_src, diff_gamma, diff_beta = ops.batch_norm_backward(
+                src, grad_dst, mean, variance, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format,
+                training=True, output_mask=(need_src, need_gamma, need_beta),
+            )
+            return diff_src, diff_gamma, diff_beta, None, None, None, None
+        diff_src, diff_gamma, diff_beta = ops.batch_norm_backward(
+            src, grad_dst, mean, variance, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format,
+            training=False, output_mask=(need_src, need_gamma or need_variance, need_beta or need_mean),
+        )
+        grad_mean, grad_variance = ops._frozen_statistics_grads(
+            src, mean, variance, gamma, diff_gamma, diff_beta, ctx.epsilon, ctx.data_format,
+            need_mean, need_variance,
+        )
+        return (
+            diff_src,
+            diff_gamma if need_gamma else None,
+            diff_beta if need_beta else None,
+            grad_mean,
+            grad_variance,
+            None,
+            None,
+        )

@@ -1,0 +1,87 @@
+"""``torch_bn_grad.functional.batch_norm``: a drop-in for ``torch.nn.functional.batch_norm``."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from torch_bn_grad import ops
+
+__all__ = ["batch_norm"]
+
+
+def batch_norm(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Batch normalization over the channel axis 1 of ``input`` (N, C, *).
+
+    Same signature, defaults and behaviour as ``torch.nn.functional.batch_norm``:
+    in training, the batch statistics normalize ``input`` and, when given,
+    ``running_mean``/``running_var`` are updated in place with ``momentum``
+    (``running_var`` with the unbiased variance; no update on an empty batch);
+    otherwise the running statistics normalize ``input``.
+    """
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _batch_norm(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+) -> Tensor:
+    """``batch_norm`` whose ``momentum`` may also be a tensor (the modules' cumulative average)."""
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError("batch_norm: running_mean and running_var must be given when training=False")
+        dst, _, _ = ops.batch_norm_forward(input, weight, bias, running_mean, running_var, epsilon=eps)
+        return dst
+    _verify_batch_size(input)
+    if not eps > 0:
+        raise ValueError(f"batch_norm: eps must be positive in training, got {eps}")
+    dst, mean, var = ops.batch_norm_forward(input, weight, bias, epsilon=eps)
+    count = input.numel() // max(input.shape[1], 1) if input.dim() >= 2 else 0
+    if count > 0 and (running_mean is not None or running_var is not None):
+        _update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    return dst
+
+
+def _verify_batch_size(input: Tensor) -> None:
+    """torch's check: more than one value per channel in training."""
+    if input.dim() < 2:
+        raise ValueError(f"batch_norm: expected input of rank 2 or more (N, C, *), got shape {tuple(input.shape)}")
+    size_prods = input.shape[0]
+    for size in input.shape[2:]:
+        size_prods *= size
+    if size_prods == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
+
+
+@torch.no_grad()
+def _update_running_stats(
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    mean: Tensor,
+    var: Tensor,
+    count: int,
+    momentum: Union[float, Tensor],
+) -> None:
+    """running = (1 - momentum) * running + momentum * batch, with the unbiased variance."""
+    if running_mean is not None:
+        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype) * momentum)
+    if running_var is not None:
+        unbiased = var * (count / (count - 1)) if count > 1 else var
+        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype) * momentum)
