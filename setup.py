@@ -23,7 +23,7 @@ from torch.utils.cpp_extension import (
 )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fvisibility-inlines-hidden"]
+CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-std=c++17", "-fvisibility-inlines-hidden"]
 LINK_FLAGS = ["-fopenmp"]
 
 # Flags per CPU capability, named as at::CPUCapability names them. Each copy of

@@ -1,0 +1,196 @@
+"""Benchmark: torch_bn_grad against torch's native batch norm, side by side.
+
+    python -m torch_bn_grad.bench [--full] [--threads N] [--json FILE] [--plot FILE.png]
+                                  [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
+                                  [--directions forward,backward,module] [--min-run-time S]
+
+For each case it prints the median time of torch's native operator and of
+ours (torch.utils.benchmark, same process, interleaved), the speedup, the
+bandwidth ours achieves and its percentage of the bandwidth bound. The bound
+is the operator's minimal memory traffic (forward: read src, write dst;
+backward: read src and diff_dst, write diff_src; module forward+backward: both)
+divided by the copy bandwidth measured in the same run on tensors of the same
+size. Run with ``THP_MEM_ALLOC_ENABLE=1`` to let torch's allocator use huge
+pages for the large outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.utils import benchmark
+
+import torch_bn_grad
+
+RESNET50_SHAPES = [
+    (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
+    (32, 256, 14, 14), (32, 1024, 14, 14), (32, 512, 7, 7), (32, 2048, 7, 7),
+]
+FULL_SHAPES = RESNET50_SHAPES + [(4096, 1024), (4, 32, 32, 64, 64)]
+QUICK_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (32, 2048, 7, 7), (4096, 1024)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYOUTS = ("contiguous", "channels_last")
+DIRECTIONS = ("forward", "backward", "module")
+
+
+@dataclass
+class Result:
+    """One row of the table."""
+
+    shape: tuple
+    dtype: str
+    layout: str
+    direction: str
+    native_ms: float
+    ours_ms: float
+    speedup: float
+    gbps: float
+    bound_pct: float
+
+
+def _median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def copy_bandwidth(numel: int, dtype: torch.dtype, min_run_time: float) -> float:
+    """Bytes per second of a copy between two tensors of `numel` elements."""
+    src = torch.randn(numel).to(dtype)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), min_run_time)
+    return 2 * src.nbytes / (ms * 1e-3)
+
+
+def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "contiguous" or t.dim() < 4:
+        return t.contiguous()
+    return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+
+def _module_class(dim: int) -> type:
+    return {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[dim]
+
+
+def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str):
+    """(native, ours, traffic in bytes) callables for one case."""
+    g = torch.Generator().manual_seed(0)
+    c = shape[1]
+    x = _layout(torch.randn(shape, generator=g).to(dtype), layout)
+    dy = _layout(torch.randn(shape, generator=g).to(dtype), layout)
+    w, b = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
+    nbytes = x.nbytes
+    if direction == "forward":
+        native = lambda: torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)  # noqa: E731
+        ours = lambda: torch_bn_grad.batch_norm_forward(x, w, b)  # noqa: E731
+        return native, ours, 2 * nbytes
+    if direction == "backward":
+        _, save_mean, save_invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+        mean, var = save_mean, (1.0 / save_invstd.double() ** 2 - 1e-5).float()
+        mask = [True, True, True]
+        native = lambda: torch.ops.aten.native_batch_norm_backward(  # noqa: E731
+            dy, x, w, None, None, save_mean, save_invstd, True, 1e-5, mask)
+        ours = lambda: torch_bn_grad.batch_norm_backward(x, dy, mean, var, w)  # noqa: E731
+        return native, ours, 3 * nbytes
+    ref_module = _module_class(len(shape))(c).to(dtype)
+    our_module = torch_bn_grad.convert_batchnorm(_module_class(len(shape))(c).to(dtype))
+    xg = x.detach().requires_grad_()
+
+    def step(module):
+        wrt = [xg, *module.parameters()]
+        return lambda: torch.autograd.grad(module(xg), wrt, dy)  # no .grad accumulation
+
+    # forward: read x, write y; backward: read x and dy, write dx
+    return step(ref_module), step(our_module), 5 * nbytes
+
+
+def run(shapes, dtypes, layouts, directions, min_run_time: float, log=print) -> list[Result]:
+    """Measure every case; prints a row as each finishes."""
+    results = []
+    log(f"{'shape':>22} {'dtype':>8} {'layout':>13} {'direction':>9} {'native ms':>10} {'ours ms':>9} "
+        f"{'speedup':>8} {'GB/s':>7} {'% bound':>8}")
+    bandwidth: dict = {}
+    for shape in shapes:
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            numel = 1
+            for s in shape:
+                numel *= s
+            if (numel, dtype) not in bandwidth:
+                bandwidth[(numel, dtype)] = copy_bandwidth(numel, dtype, min_run_time)
+            bw = bandwidth[(numel, dtype)]
+            for layout in layouts:
+                if layout == "channels_last" and len(shape) < 4:
+                    continue
+                for direction in directions:
+                    native, ours, traffic = make_case(shape, dtype, layout, direction)
+                    native(), ours()  # warm-up
+                    native_ms = _median_ms(native, min_run_time)
+                    ours_ms = _median_ms(ours, min_run_time)
+                    native_ms = min(native_ms, _median_ms(native, min_run_time))
+                    gbps = traffic / (ours_ms * 1e-3) / 1e9
+                    r = Result(tuple(shape), dtype_name, layout, direction, round(native_ms, 4),
+                               round(ours_ms, 4), round(native_ms / ours_ms, 3), round(gbps, 2),
+                               round(100 * gbps * 1e9 / bw, 1))
+                    results.append(r)
+                    log(f"{str(r.shape):>22} {r.dtype:>8} {r.layout:>13} {r.direction:>9} {r.native_ms:>10.3f} "
+                        f"{r.ours_ms:>9.3f} {r.speedup:>7.2f}x {r.gbps:>7.1f} {r.bound_pct:>7.1f}%")
+    return results
+
+
+def plot(results: list[Result], path: str) -> None:
+    """Speedup per case as a horizontal bar chart (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{'x'.join(map(str, r.shape))} {r.dtype[:4]} {r.layout[:4]} {r.direction[:3]}" for r in results]
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(results))))
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green"}
+    ax.barh(range(len(results)), [r.speedup for r in results], color=[colors[r.direction] for r in results])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(results)), labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over torch native (median time ratio)")
+    ax.set_title(f"torch_bn_grad vs torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="every ResNet-50 shape plus the 1-D and 3-D cases")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--directions", default=",".join(DIRECTIONS))
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"kernels {torch_bn_grad.cpu_kernel_isa()}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
+    results = run(FULL_SHAPES if args.full else QUICK_SHAPES, args.dtypes.split(","), args.layouts.split(","),
+                  args.directions.split(","), args.min_run_time)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    slower = [r for r in results if r.speedup < 1]
+    print(f"{len(results)} cases, median speedup "
+          f"{sorted(r.speedup for r in results)[len(results) // 2]:.2f}x, {len(slower)} slower than native")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
