@@ -1,4 +1,4 @@
-// Device code of the CUDA operators.
+// Kernels of the CUDA operators, and the host-side planning of their launches.
 //
 // Every data tensor is a contiguous [outer, channels, inner] array (see
 // ChannelPlan). The work is cut in one of two ways:
@@ -27,9 +27,13 @@
 
 #include <ATen/OpMathType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 
 namespace torch_bn_grad::cuda {
 
@@ -272,6 +276,119 @@ __device__ __forceinline__ void for_each_row(const ColumnGrid& g, int64_t column
   const int64_t o0 = static_cast<int64_t>(blockIdx.y) * g.rows_per_split;
   const int64_t o1 = min64(g.outer, o0 + g.rows_per_split);
   for (int64_t o = o0 + threadIdx.y; o < o1; o += blockDim.y) f(o * g.columns + column);
+}
+
+// ------------------------------------------------------------------ launch planning (host)
+// Fills the grids above and guarantees what the kernels rely on: blocks of
+// kThreads threads with power-of-two extents, gridDim.y < 65536, and every
+// element in exactly one thread's loop.
+
+// Bytes of one tensor that a block reads: enough to amortize the block and its
+// partial, few enough to fill the GPU at moderate sizes. A function of the
+// shape only, so the partition (and the rounding) does not depend on the GPU.
+constexpr int64_t kBytesPerBlock = 64 * 1024;
+// Planes need whole 128-byte lines per row segment; shorter segments are read
+// as columns.
+constexpr int64_t kPlaneMinBytes = 128;
+constexpr int64_t kMaxGridY = 65535;
+constexpr int64_t kMaxGridX = std::numeric_limits<int32_t>::max();
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Smallest power of two >= n, at most cap.
+inline int pow2_at_least(int64_t n, int cap) {
+  int p = 1;
+  while (p < n && p < cap) p *= 2;
+  return p;
+}
+
+struct Extent {
+  int64_t outer;
+  int64_t channels;
+  int64_t inner;
+};
+
+template <typename T>
+bool use_planes(const Extent& e) {
+  return e.inner * static_cast<int64_t>(sizeof(T)) >= kPlaneMinBytes;
+}
+
+// Elements per vector: 16 bytes when every pointer is 16-byte aligned and runs
+// of `run` contiguous elements are whole vectors, else 1.
+template <typename T>
+int vector_width(int64_t run, std::initializer_list<const void*> pointers) {
+  constexpr int kVector = 16 / sizeof(T);
+  if (run % kVector != 0) return 1;
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+  }
+  return kVector;
+}
+
+// Calls f(std::integral_constant<int, N>) for the vector width picked above.
+template <typename T, typename F>
+void with_vector_width(int width, const F& f) {
+  if (width == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    f(std::integral_constant<int, 16 / sizeof(T)>{});
+  }
+}
+
+struct PlaneLaunch {
+  PlaneGrid g;
+  dim3 grid;
+  dim3 block;
+  int64_t partials_per_channel() const { return grid.y; }
+};
+
+inline PlaneLaunch plan_planes(const Extent& e, int width, int64_t element_size) {
+  TORCH_CHECK(e.channels <= kMaxGridX, "batch_norm (CUDA): too many channels (", e.channels, ")");
+  PlaneGrid g{};
+  g.outer = e.outer;
+  g.channels = e.channels;
+  g.inner = e.inner / width;
+  // At most 32768 wanted, so that rows x inner splits stays below 65536.
+  const int64_t want = std::clamp<int64_t>(
+      ceil_div(e.outer * e.inner * element_size, kBytesPerBlock), 1, 32768);
+  if (e.outer >= want) {
+    g.rows_per_split = ceil_div(e.outer, want);
+    g.inner_per_split = g.inner;
+  } else {
+    g.rows_per_split = 1;
+    g.inner_per_split = ceil_div(g.inner, ceil_div(want, e.outer));
+  }
+  g.inner_splits = ceil_div(g.inner, g.inner_per_split);
+  const int64_t splits = ceil_div(e.outer, g.rows_per_split) * g.inner_splits;
+  TORCH_INTERNAL_ASSERT(splits <= kMaxGridY);
+  const int bx = pow2_at_least(g.inner_per_split, kThreads);
+  return {g, dim3(static_cast<unsigned>(e.channels), static_cast<unsigned>(splits)),
+          dim3(bx, kThreads / bx)};
+}
+
+struct ColumnLaunch {
+  ColumnGrid g;
+  dim3 grid;
+  dim3 block;
+  int64_t partials_per_channel() const { return g.inner * grid.y; }
+};
+
+inline ColumnLaunch plan_columns(const Extent& e, int width, int64_t element_size) {
+  ColumnGrid g{};
+  g.outer = e.outer;
+  g.columns = e.channels * e.inner / width;
+  g.inner = e.inner;
+  // Up to a warp across columns and the rest of the block down the rows, or
+  // wider when there are fewer rows than that.
+  const int bx = pow2_at_least(g.columns, std::max(kWarp, kThreads / pow2_at_least(e.outer, kThreads)));
+  const int by = kThreads / bx;
+  g.rows_per_split = std::max({static_cast<int64_t>(by),
+                               ceil_div(kBytesPerBlock, bx * width * element_size),
+                               ceil_div(e.outer, kMaxGridY)});
+  const int64_t tiles = ceil_div(g.columns, bx);
+  TORCH_CHECK(tiles <= kMaxGridX, "batch_norm (CUDA): too many columns (", e.channels * e.inner, ")");
+  return {g, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(ceil_div(e.outer, g.rows_per_split))),
+          dim3(bx, by)};
 }
 
 // ------------------------------------------------------------------ first stage
