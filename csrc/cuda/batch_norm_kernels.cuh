@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 
 namespace torch_bn_grad::cuda {
 
@@ -287,8 +288,8 @@ __device__ __forceinline__ void for_each_row(const ColumnGrid& g, int64_t column
 // partial, few enough to fill the GPU at moderate sizes. A function of the
 // shape only, so the partition (and the rounding) does not depend on the GPU.
 constexpr int64_t kBytesPerBlock = 64 * 1024;
-// Planes need whole 128-byte lines per row segment; shorter segments are read
-// as columns.
+// Planes when a channel's row segment covers a 128-byte line; shorter segments
+// are read as columns, which keeps each warp on contiguous memory.
 constexpr int64_t kPlaneMinBytes = 128;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int64_t kMaxGridX = std::numeric_limits<int32_t>::max();
