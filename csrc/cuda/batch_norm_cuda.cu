@@ -1,0 +1,282 @@
+// CUDA implementations of the operators. Same contract and per-channel math as
+// csrc/cpu/batch_norm_cpu.cpp: validate, view the data as [outer, channels,
+// inner], reduce, derive the per-channel coefficients in float64 on the
+// device, then run one elementwise pass. The kernels and their launch planning
+// are in batch_norm_kernels.cuh.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <type_traits>
+
+#include "batch_norm_args.h"
+#include "cuda/batch_norm_kernels.cuh"
+
+namespace torch_bn_grad::cuda {
+namespace {
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+// Picks the partition of `e` for T and the vector width that `pointers`
+// allow, then calls planes(launch, n) or columns(launch, n), where n is a
+// std::integral_constant<int, N> and each call launches one kernel.
+template <typename T, typename OnPlanes, typename OnColumns>
+void launch_partitioned(const Extent& e, std::initializer_list<const void*> pointers,
+                        const OnPlanes& planes, const OnColumns& columns) {
+  if (use_planes<T>(e)) {
+    const int width = vector_width<T>(e.inner, pointers);
+    const PlaneLaunch l = plan_planes(e, width, sizeof(T));
+    with_vector_width<T>(width, [&](auto n) { planes(l, n); });
+  } else {
+    const int width = vector_width<T>(e.channels * e.inner, pointers);
+    const ColumnLaunch l = plan_columns(e, width, sizeof(T));
+    with_vector_width<T>(width, [&](auto n) { columns(l, n); });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+using Acc = at::opmath_type<T>;
+
+// First-stage results: `per_channel` objects per channel, each channel's
+// contiguous, in uninitialized device storage.
+template <typename S>
+struct Partials {
+  at::Tensor storage;
+  S* data = nullptr;
+  int64_t per_channel = 0;
+
+  Partials() = default;
+  Partials(int64_t channels, int64_t per_channel, const at::Tensor& like)
+      : storage(at::empty({channels * per_channel * static_cast<int64_t>(sizeof(S))},
+                          like.options().dtype(at::kByte))),
+        data(reinterpret_cast<S*>(storage.mutable_data_ptr())),
+        per_channel(per_channel) {}
+};
+
+template <typename T>
+Partials<Moments<Acc<T>>> moment_partials(const at::Tensor& x, const Extent& e) {
+  const T* xp = x.const_data_ptr<T>();
+  Partials<Moments<Acc<T>>> p;
+  launch_partitioned<T>(
+      e, {xp},
+      [&](const PlaneLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        plane_moments_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data);
+      },
+      [&](const ColumnLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        column_moments_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data);
+      });
+  return p;
+}
+
+template <typename T>
+Partials<GradSums<Acc<T>>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy,
+                                             const at::Tensor& mean, const Extent& e) {
+  const T* xp = x.const_data_ptr<T>();
+  const T* dp = dy.const_data_ptr<T>();
+  const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
+  Partials<GradSums<Acc<T>>> p;
+  launch_partitioned<T>(
+      e, {xp, dp},
+      [&](const PlaneLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        plane_grad_sums_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data);
+      },
+      [&](const ColumnLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        column_grad_sums_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data);
+      });
+  return p;
+}
+
+// out = p * y + q * (x - mean) + r; y is null in the forward.
+template <typename T, bool kHasY>
+void apply_affine(const at::Tensor& x, const T* y, const at::Tensor& out, const Extent& e,
+                  const Affine<Acc<T>>& c) {
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  launch_partitioned<T>(
+      e, {xp, y, op},
+      [&](const PlaneLaunch& l, auto n) {
+        plane_affine_kernel<T, decltype(n)::value, kHasY><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c);
+      },
+      [&](const ColumnLaunch& l, auto n) {
+        column_affine_kernel<T, decltype(n)::value, kHasY><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c);
+      });
+}
+
+dim3 channel_warps_grid(int64_t channels) {
+  const int64_t blocks = ceil_div(channels, kChannelsPerBlock);
+  TORCH_CHECK(blocks <= kMaxGridX, "batch_norm (CUDA): too many channels (", channels, ")");
+  return dim3(static_cast<unsigned>(blocks));
+}
+
+const double* optional_data(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<double>() : nullptr;
+}
+
+at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like, at::ScalarType dtype) {
+  return at::empty({plan.channels}, like.options().dtype(dtype));
+}
+
+// A per-channel float64 vector in kernel order, or undefined when `t` is absent.
+at::Tensor optional_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
+                             const at::Tensor& like) {
+  return t.has_value() ? to_kernel_channels(t, plan, at::kDouble, 0, like) : at::Tensor();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
+    const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+    const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format) {
+  const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const auto acc = accumulate_type(src.scalar_type());
+  const Extent e{plan.outer, plan.channels, plan.inner};
+  const bool batch_statistics = !mean.has_value();
+
+  // Per-channel vectors in kernel order, of the accumulation type; var_k is
+  // only needed as an output (batch statistics).
+  at::Tensor mean_k = channel_vector(plan, src, acc);
+  at::Tensor var_k = batch_statistics ? channel_vector(plan, src, acc) : at::Tensor();
+  KernelOutput out = make_kernel_output(src, plan);
+  if (src.numel() > 0) {
+    const at::Tensor x = to_kernel_layout(src, plan);
+    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+    const at::Tensor beta_d = optional_channels(beta, plan, src);
+    at::Tensor scale = channel_vector(plan, src, acc);
+    at::Tensor shift = channel_vector(plan, src, acc);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_forward_cuda", [&] {
+      using A = Acc<scalar_t>;
+      ForwardCoefficientArgs<A> args{};
+      Partials<Moments<A>> partials;  // these stay alive until the kernels are queued
+      at::Tensor mean_d, var_d;
+      if (batch_statistics) {
+        partials = moment_partials<scalar_t>(x, e);
+        args.partials = partials.data;
+        args.per_channel = partials.per_channel;
+        args.variance_out = var_k.mutable_data_ptr<A>();
+      } else {
+        mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, src);
+        var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
+        args.mean = mean_d.const_data_ptr<double>();
+        args.variance = var_d.const_data_ptr<double>();
+      }
+      args.gamma = optional_data(gamma_d);
+      args.beta = optional_data(beta_d);
+      args.epsilon = epsilon;
+      args.channels = e.channels;
+      args.mean_out = mean_k.mutable_data_ptr<A>();
+      args.scale = scale.mutable_data_ptr<A>();
+      args.shift = shift.mutable_data_ptr<A>();
+      forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+      const Affine<A> c{mean_k.const_data_ptr<A>(), nullptr, scale.const_data_ptr<A>(),
+                        shift.const_data_ptr<A>()};
+      apply_affine<scalar_t, false>(x, nullptr, out.buffer, e, c);
+    });
+    finish_kernel_output(out, plan);
+  } else if (batch_statistics) {
+    // Empty batch: NaN statistics, as a mean over nothing.
+    mean_k.fill_(std::numeric_limits<double>::quiet_NaN());
+    var_k.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+
+  if (!batch_statistics) {
+    return {out.result, mean->clone(at::MemoryFormat::Contiguous),
+            variance->clone(at::MemoryFormat::Contiguous)};
+  }
+  return {out.result, from_kernel_channels(mean_k, plan, acc, src),
+          from_kernel_channels(var_k, plan, acc, src)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
+    const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon,
+    c10::string_view data_format, bool training, std::array<bool, 3> output_mask) {
+  const ChannelPlan plan =
+      check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const auto acc = accumulate_type(src.scalar_type());
+  const Extent e{plan.outer, plan.channels, plan.inner};
+  const int64_t M = plan.reduced_count();
+  const bool need_sums = training || output_mask[1] || output_mask[2];
+  const bool need_diff_src = output_mask[0] && src.numel() > 0;
+
+  KernelOutput out;
+  if (output_mask[0]) out = make_kernel_output(src, plan);
+  at::Tensor dg = output_mask[1] ? channel_vector(plan, src, at::kDouble) : at::Tensor();
+  at::Tensor db = output_mask[2] ? channel_vector(plan, src, at::kDouble) : at::Tensor();
+
+  if (e.channels > 0 && (need_diff_src || output_mask[1] || output_mask[2])) {
+    const at::Tensor x = to_kernel_layout(src, plan);
+    const at::Tensor mean_k = to_kernel_channels(mean, plan, acc, 0, src);
+    const at::Tensor var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
+    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+    at::Tensor dy;
+    if (need_diff_src || (need_sums && M > 0)) dy = to_kernel_layout(diff_dst, plan);
+    at::Tensor a, b, c;
+    if (need_diff_src) {
+      a = channel_vector(plan, src, acc);
+      b = channel_vector(plan, src, acc);
+      c = channel_vector(plan, src, acc);
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_backward_cuda", [&] {
+      using A = Acc<scalar_t>;
+      BackwardCoefficientArgs<A> args{};
+      Partials<GradSums<A>> partials;  // alive until the kernels are queued
+      if (need_sums && M > 0) {
+        partials = grad_sum_partials<scalar_t>(x, dy, mean_k, e);
+        args.partials = partials.data;
+        args.per_channel = partials.per_channel;
+      }
+      args.variance = var_d.const_data_ptr<double>();
+      args.gamma = optional_data(gamma_d);
+      args.epsilon = epsilon;
+      args.channels = e.channels;
+      args.reduced = M;
+      args.training = training;
+      if (need_diff_src) {
+        args.a = a.mutable_data_ptr<A>();
+        args.b = b.mutable_data_ptr<A>();
+        args.c = c.mutable_data_ptr<A>();
+      }
+      if (dg.defined()) args.diff_gamma = dg.mutable_data_ptr<double>();
+      if (db.defined()) args.diff_beta = db.mutable_data_ptr<double>();
+      backward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+      if (need_diff_src) {
+        const Affine<A> coef{mean_k.const_data_ptr<A>(), a.const_data_ptr<A>(), b.const_data_ptr<A>(),
+                             c.const_data_ptr<A>()};
+        apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), out.buffer, e, coef);
+      }
+    });
+    if (need_diff_src) finish_kernel_output(out, plan);
+  }
+
+  const auto stats_dtype = mean.scalar_type();
+  return {output_mask[0] ? out.result : at::empty({0}, src.options()),
+          output_mask[1] ? from_kernel_channels(dg, plan, stats_dtype, src) : at::empty({0}, mean.options()),
+          output_mask[2] ? from_kernel_channels(db, plan, stats_dtype, src) : at::empty({0}, mean.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
+  m.impl("batch_norm_forward", &batch_norm_forward_cuda);
+  m.impl("batch_norm_backward", &batch_norm_backward_cuda);
+}
+
+}  // namespace torch_bn_grad::cuda
