@@ -23,7 +23,8 @@ from torch.utils.cpp_extension import (
 )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-std=c++17", "-fvisibility-inlines-hidden"]
+# The C++ standard is left to torch.utils.cpp_extension (torch 2.13 builds with C++20).
+CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-fvisibility-inlines-hidden"]
 LINK_FLAGS = ["-fopenmp"]
 
 # Flags per CPU capability, named as at::CPUCapability names them. Each copy of
@@ -91,7 +92,7 @@ def _extension():
             sources=sources,
             extra_compile_args={
                 "cxx": CXX_FLAGS + defines + ["-DTORCH_BN_GRAD_WITH_CUDA"],
-                "nvcc": ["-O3", "--use_fast_math", "-std=c++17", "-DTORCH_BN_GRAD_WITH_CUDA"],
+                "nvcc": ["-O3", "--use_fast_math", "-DTORCH_BN_GRAD_WITH_CUDA"],
             },
             **kwargs,
         )
