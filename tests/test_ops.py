@@ -201,3 +201,10 @@ def test_every_isa_kernel_agrees():
         for case_a, case_b in zip(base, run["results"]):
             for a, b in zip(case_a, case_b):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-2, rtol=1e-2)
+
+
+def test_import_before_torch_in_a_fresh_process():
+    """`import torch_bn_grad` works as a program's first import."""
+    code = "import torch_bn_grad, torch; print(torch_bn_grad.cpu_kernel_isa())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
