@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import _channels
+from torch_bn_grad._autograd_kernel import register_autograd
 
 __all__ = ["batch_norm_forward", "batch_norm_backward"]
 
@@ -310,9 +311,5 @@ def _backward_backward(ctx, grad_diff_src, grad_diff_gamma, grad_diff_beta):
     )
 
 
-torch.library.register_autograd(
-    "torch_bn_grad::batch_norm_forward", _forward_backward, setup_context=_forward_setup_context
-)
-torch.library.register_autograd(
-    "torch_bn_grad::batch_norm_backward", _backward_backward, setup_context=_backward_setup_context
-)
+register_autograd(torch.ops.torch_bn_grad.batch_norm_forward.default, _forward_backward, _forward_setup_context)
+register_autograd(torch.ops.torch_bn_grad.batch_norm_backward.default, _backward_backward, _backward_setup_context)

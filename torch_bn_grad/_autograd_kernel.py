@@ -1,0 +1,74 @@
+"""Autograd kernels for the operators that also work under ``torch.func`` transforms.
+
+``torch.library.register_autograd`` records its formula through
+``autograd.Function.apply``, which under torch.func (``grad``, ``vjp``,
+``jacrev``) reroutes to torch.func's ``custom_function_call`` and fails inside
+a dispatcher kernel (pytorch/pytorch#168393). Yet the Autograd kernel of an
+operator never needs that route: the dispatcher calls it once per
+torch.func grad level with that level's tensors, as it does ATen's C++ Autograd
+kernels, so a plain single-level autograd node is exactly right.
+:func:`register_autograd` registers ``(backward, setup_context)`` (the
+contract of ``torch.library.register_autograd``) that way.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.autograd import forward_ad
+from torch._functorch.utils import enable_single_level_autograd_function
+
+_LIBRARY = torch.library.Library("torch_bn_grad", "IMPL")
+
+
+def register_autograd(
+    op: torch._ops.OpOverload,
+    backward: Callable[..., Any],
+    setup_context: Callable[[Any, tuple, Any], None],
+) -> None:
+    """Make ``backward``/``setup_context`` the Autograd kernel of ``op``, for
+    autograd and torch.func alike."""
+    function = type(
+        f"{op._opname}_autograd",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(functools.partial(_forward_below_autograd, op)),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+        },
+    )
+    # The C++ Function.apply, bypassing the Python one's torch.func rerouting.
+    plain_apply = super(torch.autograd.Function, function).apply
+
+    def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
+        # Dual inputs go to the Function too: it has no jvp, so forward-mode AD
+        # (torch.func.jvp, jacfwd, hessian) raises instead of dropping tangents.
+        if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _has_tangent(args):
+            # Allowed here, under torch.func, because this node is one level's.
+            with enable_single_level_autograd_function():
+                return plain_apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    _LIBRARY.impl(op._opname, kernel, "Autograd", with_keyset=True)
+
+
+def _forward_below_autograd(op: torch._ops.OpOverload, *args: Any) -> Any:
+    """The Function's forward: ``op`` without this level's Autograd kernel.
+
+    ``Function.apply`` turns grad mode off around the forward, but grad mode is
+    global, so lower torch.func levels (whose Autograd kernels run inside this
+    call) would then record nothing; excluding the Autograd keys skips this
+    level alone, as ATen's own Autograd kernels do.
+    """
+    with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _has_tangent(args: tuple) -> bool:
+    """Whether any argument is a forward-mode AD dual tensor."""
+    return forward_ad._current_level >= 0 and any(
+        isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args
+    )
