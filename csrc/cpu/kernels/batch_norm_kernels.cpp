@@ -8,16 +8,24 @@
 //   thread, and the per-block partials are combined in block order in float64,
 //   so results are bitwise identical whatever the number of threads or the
 //   execution strategy below.
-// * Statistics use a shifted two-pass scheme per block: the block's sum is taken
-//   of (x - pivot), pivot being the channel's first element, which removes a
-//   large common offset before it can cancel; the block's centred second moment
-//   is then summed about the block mean while the block is still in cache. The
-//   blocks are merged with Chan's parallel formula in float64.
+// * Every block sum is compensated: vector lanes of the accumulation type
+//   (float32 for float32/float16/bfloat16 data, float64 for float64) carry the
+//   exact rounding error of each add (TwoSum) alongside the sum, so a block's
+//   sum is as accurate as a float64 sum of its terms. A plain float32 lane
+//   would be off by about sqrt(k) roundings after k terms: several units in
+//   the last place of diff_beta, or of the mean of zero-mean data. The extra
+//   adds are free in these memory-bound loops.
+// * Statistics take two passes per block, the second while the block is in
+//   cache: the exact sum of x gives the block mean; then the centred second
+//   moment is summed about a centre that makes x - centre exact (exact_centre),
+//   so a large common offset (mean 1000, unit noise) cancels before anything
+//   is rounded. The blocks are merged with Chan's parallel formula in float64.
 // * The backward's two sums, sum(dy) and sum(dy * (x - mean)), are taken in one
-//   pass and are centred by construction.
-// * Inside a block, sums accumulate in several vector registers (float32 for
-//   float32/float16/bfloat16 data, float64 for float64), at most a few hundred
-//   terms per lane. Per-channel coefficients are computed in float64.
+//   pass and are centred by construction (mean is an input).
+// * Per-channel coefficients are computed in float64. The elementwise passes
+//   subtract the mean rounded to the accumulation type; its rounding error is
+//   folded into the additive coefficient, so that dst keeps full accuracy
+//   when the mean is large.
 //
 // Memory traffic: an operator reads its inputs twice (reduce, then apply). When
 // channels are outermost and there are enough of them, each thread runs both
@@ -34,6 +42,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -79,13 +88,6 @@ struct Io {
     } else {
       at::vec::convert_from_float<T>(v[0], v[1]).store(p);
     }
-  }
-  static double hsum(const Vec& v) {
-    alignas(64) acc_t lanes[kWidth];
-    v.store(lanes);
-    double s = 0;
-    for (int64_t i = 0; i < kWidth; ++i) s += lanes[i];
-    return s;
   }
 };
 
@@ -174,6 +176,61 @@ struct Partials {
         c(fields > 2 ? channels * per_channel : 0) {}
 };
 
+// ---------------------------------------------------------------- exact sums
+// sum += x, with the exact rounding error of the add collected in err (Knuth's
+// TwoSum), for vectors and scalars alike.
+template <typename V>
+inline void add_exact(V& sum, V& err, const V& x) {
+  const V t = sum + x;
+  const V z = t - sum;
+  err = err + ((sum - (t - z)) + (x - z));
+  sum = t;
+}
+
+// The same for non-negative terms with half the adds (Dekker's Fast2Sum, exact
+// when sum >= x, which can fail only while the first terms come in).
+template <typename V>
+inline void add_exact_nonnegative(V& sum, V& err, const V& x) {
+  const V t = sum + x;
+  err = err + (x - (t - sum));
+  sum = t;
+}
+
+// sum + err of each lane, in float64.
+template <typename acc_t>
+void lanes_to_double(const Vectorized<acc_t>& sum, const Vectorized<acc_t>& err, double* out) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  alignas(64) acc_t s[W];
+  alignas(64) acc_t r[W];
+  sum.store(s);
+  err.store(r);
+  for (int64_t i = 0; i < W; ++i) out[i] = static_cast<double>(s[i]) + static_cast<double>(r[i]);
+}
+
+// Pass 2's centre: the block mean rounded to a multiple of the acc_t spacing
+// at the block's largest magnitude. Every element is a multiple of that
+// spacing or finer, so d = x - centre is exact in acc_t (bar rare ties that
+// round to even): sum(d^2) carries no rounding bias from the centre's low bits,
+// and a centre this close to the mean costs nothing in cancellation.
+template <typename acc_t>
+acc_t exact_centre(double mean, double max_abs) {
+  if (!std::isfinite(mean) || !std::isfinite(max_abs) || max_abs == 0) return static_cast<acc_t>(mean);
+  int exponent = 0;
+  std::frexp(max_abs, &exponent);  // max_abs = f * 2^exponent, f in [0.5, 1)
+  const double spacing = std::ldexp(1.0, exponent - std::numeric_limits<acc_t>::digits);
+  return static_cast<acc_t>(std::round(mean / spacing) * spacing);
+}
+
+// Writes a block's (count, mean, M2) partial from the exact sums of x and of
+// d^2 about the centre: M2 = sum(d^2) - n (mean - centre)^2.
+void store_moments(Partials& out, int64_t slot, double count, double sum_x, double centre, double sum_d2) {
+  const double mean = sum_x / count;
+  const double shift = mean - centre;
+  out.a[slot] = count;
+  out.b[slot] = mean;
+  out.c[slot] = std::max(sum_d2 - count * shift * shift, 0.0);
+}
+
 // ---------------------------------------------------------------- block kernels
 template <typename T>
 struct Kernels {
@@ -184,98 +241,145 @@ struct Kernels {
   static constexpr int64_t K = IO::kChunk;
   static constexpr int P = IO::kParts;
 
-  // Sum of g(value) over a contiguous run: vector lanes plus a scalar tail.
-  template <typename G>
-  static void accumulate(const T* p, int64_t n, Vec (&acc)[P], double& tail, const G& g) {
-    Vec v[P];
-    int64_t j = 0;
-    for (; j + K <= n; j += K) {
-      IO::load(p + j, v);
-      for (int q = 0; q < P; ++q) acc[q] = acc[q] + g(v[q]);
+  // Compensated sums of kinds of terms over a block: one (sum, error) vector
+  // pair per part of a chunk, and a float64 tail for the scalar remainder.
+  template <int N>
+  struct Sums {
+    Vec sum[N][P], err[N][P];
+    double tail[N] = {};
+    Sums() {
+      for (int n = 0; n < N; ++n)
+        for (int q = 0; q < P; ++q) sum[n][q] = err[n][q] = Vec(acc_t(0));
     }
-    for (; j < n; ++j) tail += static_cast<double>(g(static_cast<acc_t>(p[j])));
+    double total(int n) const {
+      double lanes[W];
+      double t = tail[n];
+      for (int q = 0; q < P; ++q) {
+        lanes_to_double(sum[n][q], err[n][q], lanes);
+        for (int64_t i = 0; i < W; ++i) t += lanes[i];
+      }
+      return t;
+    }
+  };
+
+  // Largest magnitude of a chunk's lanes.
+  static acc_t max_lane(const Vec& v) {
+    alignas(64) acc_t lanes[W];
+    v.store(lanes);
+    return *std::max_element(lanes, lanes + W);
   }
 
-  static double total(const Vec (&acc)[P], double tail) {
-    Vec s = acc[0];
-    for (int q = 1; q < P; ++q) s = s + acc[q];
-    return IO::hsum(s) + tail;
-  }
-
-  // (count, mean, centred second moment) of one block: partial slot(s) in `out`.
-  static void stats_block(const T* x, const Extent& e, const Block& blk, const acc_t* pivot, Partials& out) {
+  // A block's (count, mean, M2) partial(s): pass 1 takes the exact sum of x
+  // and max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
+  static void stats_block(const T* x, const Extent& e, const Block& blk, Partials& out) {
     const int64_t C = e.channels, I = e.inner;
+    Vec v[P];
     if (I > 1) {
       const int64_t k = blk.channel, n = blk.s1 - blk.s0;
-      const acc_t pv = pivot[k];
-      Vec acc[P];
-      for (auto& a : acc) a = Vec(0);
-      double tail = 0;
+      Sums<1> sx;
+      Vec max_v(acc_t(0));
+      acc_t max_abs = 0;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        accumulate(x + (o * C + k) * I + blk.s0, n, acc, tail, [&](auto v) { return v - decltype(v)(pv); });
+        const T* p = x + (o * C + k) * I + blk.s0;
+        int64_t j = 0;
+        for (; j + K <= n; j += K) {
+          IO::load(p + j, v);
+          for (int q = 0; q < P; ++q) {
+            add_exact(sx.sum[0][q], sx.err[0][q], v[q]);
+            max_v = at::vec::maximum(max_v, v[q].abs());
+          }
+        }
+        for (; j < n; ++j) {
+          const acc_t a = static_cast<acc_t>(p[j]);
+          sx.tail[0] += a;
+          max_abs = std::max(max_abs, std::abs(a));
+        }
       }
       const double count = static_cast<double>((blk.o1 - blk.o0) * n);
-      const acc_t bmean = static_cast<acc_t>(pv + total(acc, tail) / count);
-      for (auto& a : acc) a = Vec(0);
-      tail = 0;
+      const double sum_x = sx.total(0);
+      const acc_t centre = exact_centre<acc_t>(sum_x / count, std::max(max_abs, max_lane(max_v)));
+      const Vec cv(centre);
+      Sums<1> sd;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        accumulate(x + (o * C + k) * I + blk.s0, n, acc, tail, [&](auto v) {
-          const auto d = v - decltype(v)(bmean);
-          return d * d;
-        });
+        const T* p = x + (o * C + k) * I + blk.s0;
+        int64_t j = 0;
+        for (; j + K <= n; j += K) {
+          IO::load(p + j, v);
+          for (int q = 0; q < P; ++q) {
+            const Vec d = v[q] - cv;
+            add_exact_nonnegative(sd.sum[0][q], sd.err[0][q], d * d);
+          }
+        }
+        for (; j < n; ++j) {
+          const double d = static_cast<double>(static_cast<acc_t>(p[j]) - centre);
+          sd.tail[0] += d * d;
+        }
       }
-      const int64_t s = k * out.per + blk.slot;
-      out.a[s] = count;
-      out.b[s] = bmean;
-      out.c[s] = total(acc, tail);
+      store_moments(out, k * out.per + blk.slot, count, sum_x, centre, sd.total(0));
       return;
     }
-    // Rows: vector lanes run across channels, one accumulator per channel.
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
-    alignas(64) acc_t sum[kColumnBlock];
-    alignas(64) acc_t bmean[kColumnBlock];
-    std::fill(sum, sum + nc, acc_t(0));
-    Vec v[P];
-    for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      const T* row = x + o * C + c0;
-      for (int64_t j = 0; j < vec_end; j += K) {
-        IO::load(row + j, v);
-        for (int q = 0; q < P; ++q) {
-          const int64_t jq = j + q * W;
-          (Vec::loadu(sum + jq) + (v[q] - Vec::loadu(pivot + c0 + jq))).store(sum + jq);
-        }
-      }
-      for (int64_t j = vec_end; j < nc; ++j) sum[j] += static_cast<acc_t>(row[j]) - pivot[c0 + j];
-    }
+    // Rows: a tile of one chunk of channels runs down the block's rows with its
+    // accumulators in registers; leftover channels one by one.
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
     const double count = static_cast<double>(blk.o1 - blk.o0);
-    for (int64_t j = 0; j < nc; ++j) {
-      bmean[j] = static_cast<acc_t>(pivot[c0 + j] + static_cast<double>(sum[j]) / count);
-      sum[j] = 0;
-    }
-    for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      const T* row = x + o * C + c0;
-      for (int64_t j = 0; j < vec_end; j += K) {
-        IO::load(row + j, v);
+    double sum_x[kColumnBlock], sum_d2[kColumnBlock];
+    alignas(64) acc_t max_abs[kColumnBlock];
+    alignas(64) acc_t centre[kColumnBlock];
+    const T* base = x + c0;
+    int64_t j = 0;
+    for (; j + K <= nc; j += K) {
+      Vec s[P], r[P], m[P];
+      for (int q = 0; q < P; ++q) s[q] = r[q] = m[q] = Vec(acc_t(0));
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        IO::load(base + o * C + j, v);
         for (int q = 0; q < P; ++q) {
-          const int64_t jq = j + q * W;
-          const Vec d = v[q] - Vec::loadu(bmean + jq);
-          at::vec::fmadd(d, d, Vec::loadu(sum + jq)).store(sum + jq);
+          add_exact(s[q], r[q], v[q]);
+          m[q] = at::vec::maximum(m[q], v[q].abs());
         }
       }
-      for (int64_t j = vec_end; j < nc; ++j) {
-        const acc_t d = static_cast<acc_t>(row[j]) - bmean[j];
-        sum[j] += d * d;
+      for (int q = 0; q < P; ++q) {
+        lanes_to_double(s[q], r[q], sum_x + j + q * W);
+        m[q].store(max_abs + j + q * W);
       }
     }
-    for (int64_t j = 0; j < nc; ++j) {
-      const int64_t s = (c0 + j) * out.per + blk.slot;
-      out.a[s] = count;
-      out.b[s] = bmean[j];
-      out.c[s] = sum[j];
+    for (; j < nc; ++j) {
+      acc_t s = 0, r = 0, m = 0;
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        const acc_t a = static_cast<acc_t>(base[o * C + j]);
+        add_exact(s, r, a);
+        m = std::max(m, std::abs(a));
+      }
+      sum_x[j] = static_cast<double>(s) + static_cast<double>(r);
+      max_abs[j] = m;
     }
+    for (j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sum_x[j] / count, max_abs[j]);
+    for (j = 0; j + K <= nc; j += K) {
+      Vec s[P], r[P], cv[P];
+      for (int q = 0; q < P; ++q) {
+        s[q] = r[q] = Vec(acc_t(0));
+        cv[q] = Vec::loadu(centre + j + q * W);
+      }
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        IO::load(base + o * C + j, v);
+        for (int q = 0; q < P; ++q) {
+          const Vec d = v[q] - cv[q];
+          add_exact_nonnegative(s[q], r[q], d * d);
+        }
+      }
+      for (int q = 0; q < P; ++q) lanes_to_double(s[q], r[q], sum_d2 + j + q * W);
+    }
+    for (; j < nc; ++j) {
+      acc_t s = 0, r = 0;
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        const acc_t d = static_cast<acc_t>(base[o * C + j]) - centre[j];
+        add_exact_nonnegative(s, r, d * d);
+      }
+      sum_d2[j] = static_cast<double>(s) + static_cast<double>(r);
+    }
+    for (j = 0; j < nc; ++j) store_moments(out, (c0 + j) * out.per + blk.slot, count, sum_x[j], centre[j], sum_d2[j]);
   }
 
-  // sum(dy) and sum(dy * (x - mean)) of one block: partial slot(s) in `out`.
+  // Exact sum(dy) and sum(dy * (x - mean)) of one block: partial slot(s) in `out`.
   static void sums_block(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
                          Partials& out) {
     const int64_t C = e.channels, I = e.inner;
@@ -283,57 +387,65 @@ struct Kernels {
     if (I > 1) {
       const int64_t k = blk.channel;
       const Vec m(mean[k]);
-      Vec s[P], t[P];
-      for (int q = 0; q < P; ++q) s[q] = t[q] = Vec(0);
-      double s_tail = 0, t_tail = 0;
+      Sums<2> st;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
         const int64_t off = (o * C + k) * I;
-        const T* xp = x + off;
-        const T* dp = dy + off;
         int64_t j = blk.s0;
         for (; j + K <= blk.s1; j += K) {
-          IO::load(dp + j, dv);
-          IO::load(xp + j, xv);
+          IO::load(dy + off + j, dv);
+          IO::load(x + off + j, xv);
           for (int q = 0; q < P; ++q) {
-            s[q] = s[q] + dv[q];
-            t[q] = at::vec::fmadd(dv[q], xv[q] - m, t[q]);
+            add_exact(st.sum[0][q], st.err[0][q], dv[q]);
+            add_exact(st.sum[1][q], st.err[1][q], dv[q] * (xv[q] - m));
           }
         }
         for (; j < blk.s1; ++j) {
-          const acc_t d = static_cast<acc_t>(dp[j]);
-          s_tail += d;
-          t_tail += d * (static_cast<acc_t>(xp[j]) - mean[k]);
+          const acc_t d = static_cast<acc_t>(dy[off + j]);
+          st.tail[0] += d;
+          st.tail[1] += static_cast<double>(d * (static_cast<acc_t>(x[off + j]) - mean[k]));
         }
       }
       const int64_t slot = k * out.per + blk.slot;
-      out.a[slot] = total(s, s_tail);
-      out.b[slot] = total(t, t_tail);
+      out.a[slot] = st.total(0);
+      out.b[slot] = st.total(1);
       return;
     }
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
-    alignas(64) acc_t sd[kColumnBlock];
-    alignas(64) acc_t sx[kColumnBlock];
-    std::fill(sd, sd + nc, acc_t(0));
-    std::fill(sx, sx + nc, acc_t(0));
-    for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      const T* xr = x + o * C + c0;
-      const T* dr = dy + o * C + c0;
-      for (int64_t j = 0; j < vec_end; j += K) {
-        IO::load(dr + j, dv);
-        IO::load(xr + j, xv);
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
+    double sd[kColumnBlock], sx[kColumnBlock];
+    int64_t j = 0;
+    for (; j + K <= nc; j += K) {
+      Vec s[P], sr[P], t[P], tr[P], m[P];
+      for (int q = 0; q < P; ++q) {
+        s[q] = sr[q] = t[q] = tr[q] = Vec(acc_t(0));
+        m[q] = Vec::loadu(mean + c0 + j + q * W);
+      }
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        const int64_t off = o * C + c0 + j;
+        IO::load(dy + off, dv);
+        IO::load(x + off, xv);
         for (int q = 0; q < P; ++q) {
-          const int64_t jq = j + q * W;
-          (Vec::loadu(sd + jq) + dv[q]).store(sd + jq);
-          at::vec::fmadd(dv[q], xv[q] - Vec::loadu(mean + c0 + jq), Vec::loadu(sx + jq)).store(sx + jq);
+          add_exact(s[q], sr[q], dv[q]);
+          add_exact(t[q], tr[q], dv[q] * (xv[q] - m[q]));
         }
       }
-      for (int64_t j = vec_end; j < nc; ++j) {
-        const acc_t d = static_cast<acc_t>(dr[j]);
-        sd[j] += d;
-        sx[j] += d * (static_cast<acc_t>(xr[j]) - mean[c0 + j]);
+      for (int q = 0; q < P; ++q) {
+        lanes_to_double(s[q], sr[q], sd + j + q * W);
+        lanes_to_double(t[q], tr[q], sx + j + q * W);
       }
     }
-    for (int64_t j = 0; j < nc; ++j) {
+    for (; j < nc; ++j) {
+      acc_t s = 0, sr = 0, t = 0, tr = 0;
+      const acc_t m = mean[c0 + j];
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        const int64_t off = o * C + c0 + j;
+        const acc_t d = static_cast<acc_t>(dy[off]);
+        add_exact(s, sr, d);
+        add_exact(t, tr, d * (static_cast<acc_t>(x[off]) - m));
+      }
+      sd[j] = static_cast<double>(s) + static_cast<double>(sr);
+      sx[j] = static_cast<double>(t) + static_cast<double>(tr);
+    }
+    for (j = 0; j < nc; ++j) {
       const int64_t slot = (c0 + j) * out.per + blk.slot;
       out.a[slot] = sd[j];
       out.b[slot] = sx[j];
@@ -418,19 +530,23 @@ void merge_sums(const Partials& p, int64_t k, double& sum_a, double& sum_b) {
   sum_b = b;
 }
 
-// Per-channel coefficient vectors of the accumulation type.
+// Per-channel coefficients of out = alpha * y + beta * (x - mean) + gamma, of
+// the accumulation type. `mean` is rounded to it; the rounding error times
+// beta goes into gamma, in float64, so x - mean loses nothing to it.
 template <typename acc_t>
 struct Coefficients {
   std::vector<acc_t> mean, alpha, beta, gamma;
   explicit Coefficients(int64_t channels) : mean(channels), alpha(channels), beta(channels), gamma(channels) {}
-};
 
-template <typename T>
-std::vector<typename Io<T>::acc_t> channel_pivots(const T* x, const Extent& e) {
-  std::vector<typename Io<T>::acc_t> pivot(e.channels);
-  for (int64_t k = 0; k < e.channels; ++k) pivot[k] = static_cast<typename Io<T>::acc_t>(x[k * e.inner]);
-  return pivot;
-}
+  void set(int64_t k, double m, double a, double b, double c) {
+    mean[k] = static_cast<acc_t>(m);
+    alpha[k] = static_cast<acc_t>(a);
+    beta[k] = static_cast<acc_t>(b);
+    gamma[k] = static_cast<acc_t>(c - b * (m - static_cast<double>(mean[k])));
+  }
+  // dst = (x - mean) * scale + shift.
+  void set_normalize(int64_t k, double m, double scale, double shift) { set(k, m, 0.0, scale, shift); }
+};
 
 // ---------------------------------------------------------------- operators
 template <typename T>
@@ -439,15 +555,11 @@ void forward_batch_impl(const T* x, T* y, const Extent& e, const double* gamma, 
   using KN = Kernels<T>;
   using acc_t = typename Io<T>::acc_t;
   const Blocks b(e);
-  const auto pivot = channel_pivots(x, e);
   Partials parts(e.channels, b.per_channel(), 3);
   Coefficients<acc_t> co(e.channels);
   auto finish_channel = [&](int64_t k) {
     merge_stats(parts, k, mean[k], var[k]);
-    const double scale = gamma[k] / std::sqrt(var[k] + eps);
-    co.mean[k] = static_cast<acc_t>(mean[k]);
-    co.beta[k] = static_cast<acc_t>(scale);
-    co.gamma[k] = static_cast<acc_t>(beta[k]);
+    co.set_normalize(k, mean[k], gamma[k] / std::sqrt(var[k] + eps), beta[k]);
   };
   auto normalize = [&](const Block& blk) {
     KN::affine_block(x, nullptr, y, e, blk, co.mean.data(), nullptr, co.beta.data(), co.gamma.data());
@@ -456,14 +568,14 @@ void forward_batch_impl(const T* x, T* y, const Extent& e, const double* gamma, 
     const int64_t per = b.per_channel();
     at::parallel_for(0, e.channels, 1, [&](int64_t k0, int64_t k1) {
       for (int64_t k = k0; k < k1; ++k) {
-        for (int64_t i = 0; i < per; ++i) KN::stats_block(x, e, block_at(b, e, k * per + i), pivot.data(), parts);
+        for (int64_t i = 0; i < per; ++i) KN::stats_block(x, e, block_at(b, e, k * per + i), parts);
         finish_channel(k);
         for (int64_t i = per - 1; i >= 0; --i) normalize(block_at(b, e, k * per + i));
       }
     });
     return;
   }
-  for_each_block(b, e, false, [&](const Block& blk) { KN::stats_block(x, e, blk, pivot.data(), parts); });
+  for_each_block(b, e, false, [&](const Block& blk) { KN::stats_block(x, e, blk, parts); });
   for (int64_t k = 0; k < e.channels; ++k) finish_channel(k);
   for_each_block(b, e, true, normalize);
 }
@@ -473,11 +585,7 @@ void forward_frozen_impl(const T* x, T* y, const Extent& e, const double* mean, 
                          const double* gamma, const double* beta, double eps) {
   using acc_t = typename Io<T>::acc_t;
   Coefficients<acc_t> co(e.channels);
-  for (int64_t k = 0; k < e.channels; ++k) {
-    co.mean[k] = static_cast<acc_t>(mean[k]);
-    co.beta[k] = static_cast<acc_t>(gamma[k] / std::sqrt(var[k] + eps));
-    co.gamma[k] = static_cast<acc_t>(beta[k]);
-  }
+  for (int64_t k = 0; k < e.channels; ++k) co.set_normalize(k, mean[k], gamma[k] / std::sqrt(var[k] + eps), beta[k]);
   const Blocks b(e);
   for_each_block(b, e, false, [&](const Block& blk) {
     Kernels<T>::affine_block(x, nullptr, y, e, blk, co.mean.data(), nullptr, co.beta.data(), co.gamma.data());
@@ -494,17 +602,19 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   const double count = static_cast<double>(e.outer * e.inner);
   Partials parts(e.channels, b.per_channel(), 2);
   Coefficients<acc_t> co(e.channels);
+  // The sums are centred on the rounded mean the kernels subtract.
   for (int64_t k = 0; k < e.channels; ++k) co.mean[k] = static_cast<acc_t>(mean[k]);
   // diff_src = a * dy + b * (x - mean) + c, with a = g * rstd and, in training,
   // b = -a * rstd^2 * sum(dy * xc) / M, c = -a * sum(dy) / M.
   auto finish_channel = [&](int64_t k) {
     double sum_dy = 0, sum_dy_xc = 0;
     if (need_sums) merge_sums(parts, k, sum_dy, sum_dy_xc);
+    // Re-centre the sum on the exact mean: sum(dy (x - m)) = sum(dy (x - mk)) - (m - mk) sum(dy).
+    sum_dy_xc -= (mean[k] - static_cast<double>(co.mean[k])) * sum_dy;
     const double rstd = 1.0 / std::sqrt(var[k] + eps);
     const double a = gamma[k] * rstd;
-    co.alpha[k] = static_cast<acc_t>(a);
-    co.beta[k] = static_cast<acc_t>(training ? -a * rstd * rstd * sum_dy_xc / count : 0.0);
-    co.gamma[k] = static_cast<acc_t>(training ? -a * sum_dy / count : 0.0);
+    co.set(k, mean[k], a, training ? -a * rstd * rstd * sum_dy_xc / count : 0.0,
+           training ? -a * sum_dy / count : 0.0);
     if (diff_gamma) diff_gamma[k] = rstd * sum_dy_xc;
     if (diff_beta) diff_beta[k] = sum_dy;
   };
@@ -532,9 +642,8 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
 template <typename T>
 void batch_stats_impl(const T* x, const Extent& e, double* mean, double* var) {
   const Blocks b(e);
-  const auto pivot = channel_pivots(x, e);
   Partials parts(e.channels, b.per_channel(), 3);
-  for_each_block(b, e, false, [&](const Block& blk) { Kernels<T>::stats_block(x, e, blk, pivot.data(), parts); });
+  for_each_block(b, e, false, [&](const Block& blk) { Kernels<T>::stats_block(x, e, blk, parts); });
   for (int64_t k = 0; k < e.channels; ++k) merge_stats(parts, k, mean[k], var[k]);
 }
 
