@@ -45,19 +45,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
     var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
   }
 
-  // dst = (x - mean) * (gamma * rstd) + beta, coefficients rounded once.
+  // dst = (x - mean) * scale + shift with scale = gamma * rstd. The kernel
+  // subtracts mean rounded to the accumulation type (mean_k); the rounding
+  // error (mean - mean_k) * scale is folded into shift, in float64. With a
+  // large mean (1000 + unit noise) this keeps dst's error at the level of its
+  // own rounding instead of mean's (the difference x - mean_k is then exact).
   const at::Tensor gamma_d = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
   const at::Tensor beta_d = to_kernel_channels(beta, plan, at::kDouble, 0, src);
+  const at::Tensor mean_k = mean_d.to(acc);
+  const at::Tensor mean_k_d = mean_k.to(at::kDouble);
   at::Tensor scale_d = channel_vector(plan, src, at::kDouble);
+  at::Tensor shift_d = channel_vector(plan, src, at::kDouble);
   {
+    const double* m = mean_d.const_data_ptr<double>();
+    const double* mk = mean_k_d.const_data_ptr<double>();
     const double* v = var_d.const_data_ptr<double>();
     const double* g = gamma_d.const_data_ptr<double>();
+    const double* bt = beta_d.const_data_ptr<double>();
     double* s = scale_d.mutable_data_ptr<double>();
-    for (int64_t k = 0; k < C; ++k) s[k] = g[k] / std::sqrt(v[k] + epsilon);
+    double* sh = shift_d.mutable_data_ptr<double>();
+    for (int64_t k = 0; k < C; ++k) {
+      s[k] = g[k] / std::sqrt(v[k] + epsilon);
+      sh[k] = bt[k] - (m[k] - mk[k]) * s[k];
+    }
   }
   KernelOutput out = make_kernel_output(src, plan);
   if (src.numel() > 0) {
-    kernel_table().normalize(x, out.buffer, e, mean_d.to(acc), scale_d.to(acc), beta_d.to(acc));
+    kernel_table().normalize(x, out.buffer, e, mean_k, scale_d.to(acc), shift_d.to(acc));
     finish_kernel_output(out, plan);
   }
 

@@ -7,16 +7,17 @@
 //   the shape alone (never on the thread count). Each block is reduced by one
 //   thread, and the per-block partials are combined in block order in float64,
 //   so results are bitwise identical whatever the number of threads.
-// * Statistics use a shifted two-pass scheme per block: the block's sum is taken
-//   of (x - pivot), pivot being the channel's first element, which removes a
-//   large common offset before it can cancel; the block's centred second moment
-//   is then summed about the block mean while the block is still in cache. The
-//   blocks are merged with Chan's parallel formula in float64.
+// * Every sum is compensated (add_exact): vector lanes of the accumulation type
+//   (float32 for float32/float16/bfloat16 data, float64 for float64) carry the
+//   exact rounding error of each add alongside the sum, so a block's sum is as
+//   accurate as a float64 sum of its terms (see LaneSum).
+// * Statistics take two passes per block, the second while the block is in
+//   cache: the exact sum of x gives the mean; then the centred second moment is
+//   summed about a centre that makes x - centre exact (exact_centre), so a
+//   large common offset (mean 1000, unit noise) cancels before anything is
+//   rounded. The blocks are merged with Chan's parallel formula in float64.
 // * The backward's two sums, sum(dy) and sum(dy * (x - mean)), are taken in one
-//   pass and are centred by construction.
-// * Inside a block, sums accumulate in several vector registers (float32 for
-//   float32/float16/bfloat16 data, float64 for float64), at most a few hundred
-//   terms per lane.
+//   pass and are centred by construction (mean is an input).
 #include "cpu/kernels/kernel_table.h"
 
 #include <ATen/Dispatch.h>
@@ -26,6 +27,8 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -67,13 +70,6 @@ struct Io {
     } else {
       at::vec::convert_from_float<T>(v, v).store(p, kWidth);
     }
-  }
-  static double hsum(const Vec& v) {
-    alignas(64) acc_t lanes[kWidth];
-    v.store(lanes);
-    double s = 0;
-    for (int64_t i = 0; i < kWidth; ++i) s += lanes[i];
-    return s;
   }
 };
 
@@ -142,23 +138,126 @@ void for_each_block(const Blocks& b, const Extent& e, const F& f) {
   });
 }
 
-// Sums of g(x) over a run of n contiguous elements, in two vector registers
-// plus a scalar for the tail. `g` maps a vector (or scalar) of acc_t.
-template <typename T, typename G>
-void accumulate_run(const T* p, int64_t n, typename Io<T>::Vec& v0, typename Io<T>::Vec& v1,
-                    double& tail, const G& g) {
-  using IO = Io<T>;
-  constexpr int64_t W = IO::kWidth;
+// ---------------------------------------------------------------- exact sums
+// Every sum is compensated: each add also computes its own rounding error
+// exactly (Knuth's TwoSum), and the errors are collected in a second
+// accumulator. sum + error, taken in float64 at the end, is then as accurate as
+// a float64 sum of the terms, while the loop runs on float32 vectors for
+// float32/float16/bfloat16 data. (A plain float32 lane that takes k terms is
+// off by about sqrt(k) rounding errors of its running sum: several units in the
+// last place of diff_beta, of the mean of zero-mean data, or of the variance.)
+template <typename V>
+inline void add_exact(V& sum, V& err, const V& x) {
+  const V t = sum + x;
+  const V z = t - sum;
+  err = err + ((sum - (t - z)) + (x - z));
+  sum = t;
+}
+
+// The same for non-negative terms with half the adds (Dekker's Fast2Sum, exact
+// when sum >= x, which can fail only while the first terms come in).
+template <typename V>
+inline void add_exact_nonnegative(V& sum, V& err, const V& x) {
+  const V t = sum + x;
+  err = err + (x - (t - sum));
+  sum = t;
+}
+
+// Compensated vector sums in two independent chains (they hide the latency of
+// the dependent adds), plus a float64 tail for scalar terms.
+template <typename acc_t>
+struct LaneSum {
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t kWidth = Vec::size();
+  Vec sum[2] = {Vec(acc_t(0)), Vec(acc_t(0))};
+  Vec err[2] = {Vec(acc_t(0)), Vec(acc_t(0))};
+  double tail = 0;
+
+  void add(int chain, const Vec& x) { add_exact(sum[chain], err[chain], x); }
+  void add_nonnegative(int chain, const Vec& x) { add_exact_nonnegative(sum[chain], err[chain], x); }
+  void add(acc_t x) { tail += static_cast<double>(x); }
+  // Each lane of one chain (rows: one channel per lane), in float64.
+  void lanes(int chain, double* out) const {
+    alignas(64) acc_t s[kWidth];
+    alignas(64) acc_t r[kWidth];
+    sum[chain].store(s);
+    err[chain].store(r);
+    for (int64_t i = 0; i < kWidth; ++i) out[i] = static_cast<double>(s[i]) + static_cast<double>(r[i]);
+  }
+  // Everything (planes: one channel), in a fixed order.
+  double total() const {
+    double a[kWidth], b[kWidth];
+    lanes(0, a);
+    lanes(1, b);
+    double s = tail;
+    for (int64_t i = 0; i < kWidth; ++i) s += a[i] + b[i];
+    return s;
+  }
+};
+
+// Planes: walks a run of n contiguous elements of one channel: vec(j, chain)
+// for each full vector at offset j, alternating the two chains, then
+// scalar(j) for the tail.
+template <int64_t W, typename VecStep, typename ScalarStep>
+void walk_run(int64_t n, const VecStep& vec, const ScalarStep& scalar) {
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
-    v0 = v0 + g(IO::load(p + j));
-    v1 = v1 + g(IO::load(p + j + W));
+    vec(j, 0);
+    vec(j + W, 1);
   }
-  for (; j + W <= n; j += W) v0 = v0 + g(IO::load(p + j));
-  for (; j < n; ++j) tail += static_cast<double>(g(static_cast<typename IO::acc_t>(p[j])));
+  if (j + W <= n) {
+    vec(j, 0);
+    j += W;
+  }
+  for (; j < n; ++j) scalar(j);
+}
+
+// Rows: walks a block's nc channels in tiles of two vectors (one chain each),
+// then one vector, then single channels. tile(j, chains) covers channels
+// [j, j + chains * W) (chains a std::integral_constant), column(j) channel j;
+// each runs down all the block's rows with its accumulators in registers.
+template <int64_t W, typename Tile, typename Column>
+void walk_channels(int64_t nc, const Tile& tile, const Column& column) {
+  int64_t j = 0;
+  for (; j + 2 * W <= nc; j += 2 * W) tile(j, std::integral_constant<int, 2>{});
+  if (j + W <= nc) {
+    tile(j, std::integral_constant<int, 1>{});
+    j += W;
+  }
+  for (; j < nc; ++j) column(j);
 }
 
 // ---------------------------------------------------------------- statistics
+// Mean and centred second moment of one block, for Chan's merge.
+struct Moments {
+  double count, mean, m2;
+};
+
+// Pass 2's centre: the block mean rounded to a multiple of the acc_t spacing
+// at the block's largest magnitude. Every element is then a multiple of that
+// spacing or finer, so d = x - centre is exact in acc_t (bar rare ties that
+// round to even): sum(d^2) carries no rounding bias from the centre's low bits,
+// and a centre this close to the mean costs nothing in cancellation.
+template <typename acc_t>
+acc_t exact_centre(double mean, double max_abs) {
+  if (!std::isfinite(mean) || !std::isfinite(max_abs) || max_abs == 0) return static_cast<acc_t>(mean);
+  int exponent = 0;
+  std::frexp(max_abs, &exponent);  // max_abs = f * 2^exponent, f in [0.5, 1)
+  const double spacing = std::ldexp(1.0, exponent - std::numeric_limits<acc_t>::digits);
+  return static_cast<acc_t>(std::round(mean / spacing) * spacing);
+}
+
+// A block's moments from the exact sums of x and of d^2 about the centre:
+// m2 = sum(d^2) - n (mean - centre)^2.
+Moments block_moments(double count, double sum_x, double centre, double sum_d2) {
+  const double mean = sum_x / count;
+  const double shift = mean - centre;
+  return {count, mean, std::max(sum_d2 - count * shift * shift, 0.0)};
+}
+
+// Two passes per block, the second while the block is in cache: pass 1 takes
+// the exact sum of x (hence the mean) and max |x|; pass 2 the exact sum of d^2
+// about the exact centre, so no common offset survives into pass 2's terms.
 template <typename T>
 void batch_stats_impl(const T* x, const Extent& e, double* mean, double* var) {
   using IO = Io<T>;
@@ -168,71 +267,114 @@ void batch_stats_impl(const T* x, const Extent& e, double* mean, double* var) {
   const Blocks b(e);
   const int64_t per = b.per_channel();
   const int64_t C = e.channels, I = e.inner;
-  // Per-channel pivot: the channel's first element.
-  std::vector<acc_t> pivot(C);
-  for (int64_t k = 0; k < C; ++k) pivot[k] = static_cast<acc_t>(x[k * I]);
-  // Partials: count, mean, centred second moment, per channel in block order.
-  std::vector<double> p_n(C * per), p_mean(C * per), p_m2(C * per);
+  std::vector<Moments> partial(C * per);  // per channel, in block order
 
   for_each_block(b, e, [&](const Block& blk) {
     if (b.planes) {
       const int64_t k = blk.channel;
       const int64_t n = blk.s1 - blk.s0;
-      const acc_t pv = pivot[k];
-      Vec v0(0), v1(0);
-      double tail = 0;
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        accumulate_run<T>(x + (o * C + k) * I + blk.s0, n, v0, v1, tail,
-                          [&](auto v) { return v - decltype(v)(pv); });
-      }
       const double count = static_cast<double>((blk.o1 - blk.o0) * n);
-      const acc_t bmean = static_cast<acc_t>(pv + (IO::hsum(v0 + v1) + tail) / count);
-      Vec w0(0), w1(0);
-      double tail2 = 0;
+      LaneSum<acc_t> sum_x;
+      Vec max_v[2] = {Vec(acc_t(0)), Vec(acc_t(0))};
+      acc_t max_abs = 0;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        accumulate_run<T>(x + (o * C + k) * I + blk.s0, n, w0, w1, tail2, [&](auto v) {
-          const auto d = v - decltype(v)(bmean);
-          return d * d;
-        });
+        const T* p = x + (o * C + k) * I + blk.s0;
+        walk_run<W>(
+            n,
+            [&](int64_t j, int chain) {
+              const Vec v = IO::load(p + j);
+              sum_x.add(chain, v);
+              max_v[chain] = at::vec::clamp_min(v.abs(), max_v[chain]);
+            },
+            [&](int64_t j) {
+              const acc_t v = static_cast<acc_t>(p[j]);
+              sum_x.add(v);
+              max_abs = std::max(max_abs, std::abs(v));
+            });
       }
-      const int64_t s = k * per + blk.slot;
-      p_n[s] = count;
-      p_mean[s] = bmean;
-      p_m2[s] = IO::hsum(w0 + w1) + tail2;
+      alignas(64) acc_t lanes[W];
+      at::vec::clamp_min(max_v[0], max_v[1]).store(lanes);
+      for (int64_t i = 0; i < W; ++i) max_abs = std::max(max_abs, lanes[i]);
+      const double sx = sum_x.total();
+      const acc_t centre = exact_centre<acc_t>(sx / count, max_abs);
+      const Vec cv(centre);
+      LaneSum<acc_t> sum_d2;
+      for (int64_t o = blk.o0; o < blk.o1; ++o) {
+        const T* p = x + (o * C + k) * I + blk.s0;
+        walk_run<W>(
+            n,
+            [&](int64_t j, int chain) {
+              const Vec d = IO::load(p + j) - cv;
+              sum_d2.add_nonnegative(chain, d * d);
+            },
+            [&](int64_t j) {
+              const acc_t d = static_cast<acc_t>(p[j]) - centre;
+              sum_d2.add(d * d);
+            });
+      }
+      partial[k * per + blk.slot] = block_moments(count, sx, centre, sum_d2.total());
     } else {
       const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
-      const int64_t vec_end = nc - nc % W;
-      alignas(64) acc_t sum[kColumnBlock];
-      alignas(64) acc_t bmean[kColumnBlock];
-      std::fill(sum, sum + nc, acc_t(0));
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const T* row = x + o * C + c0;
-        for (int64_t j = 0; j < vec_end; j += W) {
-          (Vec::loadu(sum + j) + (IO::load(row + j) - Vec::loadu(pivot.data() + c0 + j))).store(sum + j);
-        }
-        for (int64_t j = vec_end; j < nc; ++j) sum[j] += static_cast<acc_t>(row[j]) - pivot[c0 + j];
-      }
       const double count = static_cast<double>(blk.o1 - blk.o0);
+      const T* base = x + c0;
+      double sum_x[kColumnBlock], sum_d2[kColumnBlock];
+      alignas(64) acc_t max_abs[kColumnBlock];
+      alignas(64) acc_t centre[kColumnBlock];
+      walk_channels<W>(
+          nc,
+          [&](int64_t j, auto chains) {
+            constexpr int kChains = decltype(chains)::value;
+            LaneSum<acc_t> s;
+            Vec max_v[kChains];
+            for (int v = 0; v < kChains; ++v) max_v[v] = Vec(acc_t(0));
+            for (int64_t o = blk.o0; o < blk.o1; ++o) {
+              for (int v = 0; v < kChains; ++v) {
+                const Vec a = IO::load(base + o * C + j + v * W);
+                s.add(v, a);
+                max_v[v] = at::vec::clamp_min(a.abs(), max_v[v]);
+              }
+            }
+            for (int v = 0; v < kChains; ++v) {
+              s.lanes(v, sum_x + j + v * W);
+              max_v[v].store(max_abs + j + v * W);
+            }
+          },
+          [&](int64_t j) {
+            acc_t s = 0, r = 0, m = 0;
+            for (int64_t o = blk.o0; o < blk.o1; ++o) {
+              const acc_t a = static_cast<acc_t>(base[o * C + j]);
+              add_exact(s, r, a);
+              m = std::max(m, std::abs(a));
+            }
+            sum_x[j] = static_cast<double>(s) + static_cast<double>(r);
+            max_abs[j] = m;
+          });
+      for (int64_t j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sum_x[j] / count, max_abs[j]);
+      walk_channels<W>(
+          nc,
+          [&](int64_t j, auto chains) {
+            constexpr int kChains = decltype(chains)::value;
+            LaneSum<acc_t> s;
+            Vec cv[kChains];
+            for (int v = 0; v < kChains; ++v) cv[v] = Vec::loadu(centre + j + v * W);
+            for (int64_t o = blk.o0; o < blk.o1; ++o) {
+              for (int v = 0; v < kChains; ++v) {
+                const Vec d = IO::load(base + o * C + j + v * W) - cv[v];
+                s.add_nonnegative(v, d * d);
+              }
+            }
+            for (int v = 0; v < kChains; ++v) s.lanes(v, sum_d2 + j + v * W);
+          },
+          [&](int64_t j) {
+            acc_t s = 0, r = 0;
+            for (int64_t o = blk.o0; o < blk.o1; ++o) {
+              const acc_t d = static_cast<acc_t>(base[o * C + j]) - centre[j];
+              add_exact_nonnegative(s, r, d * d);
+            }
+            sum_d2[j] = static_cast<double>(s) + static_cast<double>(r);
+          });
       for (int64_t j = 0; j < nc; ++j) {
-        bmean[j] = static_cast<acc_t>(pivot[c0 + j] + static_cast<double>(sum[j]) / count);
-        sum[j] = 0;
-      }
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const T* row = x + o * C + c0;
-        for (int64_t j = 0; j < vec_end; j += W) {
-          const Vec d = IO::load(row + j) - Vec::loadu(bmean + j);
-          at::vec::fmadd(d, d, Vec::loadu(sum + j)).store(sum + j);
-        }
-        for (int64_t j = vec_end; j < nc; ++j) {
-          const acc_t d = static_cast<acc_t>(row[j]) - bmean[j];
-          sum[j] += d * d;
-        }
-      }
-      for (int64_t j = 0; j < nc; ++j) {
-        const int64_t s = (c0 + j) * per + blk.slot;
-        p_n[s] = count;
-        p_mean[s] = bmean[j];
-        p_m2[s] = sum[j];
+        partial[(c0 + j) * per + blk.slot] = block_moments(count, sum_x[j], centre[j], sum_d2[j]);
       }
     }
   });
@@ -241,13 +383,12 @@ void batch_stats_impl(const T* x, const Extent& e, double* mean, double* var) {
   for (int64_t k = 0; k < C; ++k) {
     double n = 0, m = 0, m2 = 0;
     for (int64_t i = 0; i < per; ++i) {
-      const int64_t s = k * per + i;
-      const double nb = p_n[s];
-      if (nb == 0) continue;
-      const double delta = p_mean[s] - m;
-      const double total = n + nb;
-      m += delta * (nb / total);
-      m2 += p_m2[s] + delta * delta * (n * nb / total);
+      const Moments& p = partial[k * per + i];
+      if (p.count == 0) continue;
+      const double delta = p.mean - m;
+      const double total = n + p.count;
+      m += delta * (p.count / total);
+      m2 += p.m2 + delta * delta * (n * p.count / total);
       n = total;
     }
     mean[k] = m;
@@ -331,59 +472,66 @@ void grad_sums_impl(const T* x, const T* dy, const Extent& e, const typename Io<
     if (b.planes) {
       const int64_t k = blk.channel;
       const Vec m(mean[k]);
-      Vec s0(0), s1(0), t0(0), t1(0);
-      double s_tail = 0, t_tail = 0;
+      LaneSum<acc_t> s, t;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const int64_t off = (o * C + k) * I;
+        const int64_t off = (o * C + k) * I + blk.s0;
         const T* xp = x + off;
         const T* dp = dy + off;
-        int64_t j = blk.s0;
-        for (; j + 2 * W <= blk.s1; j += 2 * W) {
-          const Vec d0 = IO::load(dp + j), d1 = IO::load(dp + j + W);
-          s0 = s0 + d0;
-          s1 = s1 + d1;
-          t0 = at::vec::fmadd(d0, IO::load(xp + j) - m, t0);
-          t1 = at::vec::fmadd(d1, IO::load(xp + j + W) - m, t1);
-        }
-        for (; j + W <= blk.s1; j += W) {
-          const Vec d0 = IO::load(dp + j);
-          s0 = s0 + d0;
-          t0 = at::vec::fmadd(d0, IO::load(xp + j) - m, t0);
-        }
-        for (; j < blk.s1; ++j) {
-          const acc_t d = static_cast<acc_t>(dp[j]);
-          s_tail += d;
-          t_tail += d * (static_cast<acc_t>(xp[j]) - mean[k]);
-        }
+        walk_run<W>(
+            blk.s1 - blk.s0,
+            [&](int64_t j, int chain) {
+              const Vec d = IO::load(dp + j);
+              s.add(chain, d);
+              t.add(chain, d * (IO::load(xp + j) - m));
+            },
+            [&](int64_t j) {
+              const acc_t d = static_cast<acc_t>(dp[j]);
+              s.add(d);
+              t.add(d * (static_cast<acc_t>(xp[j]) - mean[k]));
+            });
       }
-      const int64_t s = k * per + blk.slot;
-      p_dy[s] = IO::hsum(s0 + s1) + s_tail;
-      p_dyxc[s] = IO::hsum(t0 + t1) + t_tail;
+      const int64_t slot = k * per + blk.slot;
+      p_dy[slot] = s.total();
+      p_dyxc[slot] = t.total();
     } else {
       const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
-      const int64_t vec_end = nc - nc % W;
-      alignas(64) acc_t sd[kColumnBlock];
-      alignas(64) acc_t sx[kColumnBlock];
-      std::fill(sd, sd + nc, acc_t(0));
-      std::fill(sx, sx + nc, acc_t(0));
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const T* xr = x + o * C + c0;
-        const T* dr = dy + o * C + c0;
-        for (int64_t j = 0; j < vec_end; j += W) {
-          const Vec d = IO::load(dr + j);
-          (Vec::loadu(sd + j) + d).store(sd + j);
-          at::vec::fmadd(d, IO::load(xr + j) - Vec::loadu(mean + c0 + j), Vec::loadu(sx + j)).store(sx + j);
-        }
-        for (int64_t j = vec_end; j < nc; ++j) {
-          const acc_t d = static_cast<acc_t>(dr[j]);
-          sd[j] += d;
-          sx[j] += d * (static_cast<acc_t>(xr[j]) - mean[c0 + j]);
-        }
-      }
+      double sd[kColumnBlock], sx[kColumnBlock];
+      walk_channels<W>(
+          nc,
+          [&](int64_t j, auto chains) {
+            constexpr int kChains = decltype(chains)::value;
+            LaneSum<acc_t> s, t;
+            Vec m[kChains];
+            for (int v = 0; v < kChains; ++v) m[v] = Vec::loadu(mean + c0 + j + v * W);
+            for (int64_t o = blk.o0; o < blk.o1; ++o) {
+              const int64_t off = o * C + c0 + j;
+              for (int v = 0; v < kChains; ++v) {
+                const Vec d = IO::load(dy + off + v * W);
+                s.add(v, d);
+                t.add(v, d * (IO::load(x + off + v * W) - m[v]));
+              }
+            }
+            for (int v = 0; v < kChains; ++v) {
+              s.lanes(v, sd + j + v * W);
+              t.lanes(v, sx + j + v * W);
+            }
+          },
+          [&](int64_t j) {
+            acc_t s = 0, sr = 0, t = 0, tr = 0;
+            const acc_t m = mean[c0 + j];
+            for (int64_t o = blk.o0; o < blk.o1; ++o) {
+              const int64_t off = o * C + c0 + j;
+              const acc_t d = static_cast<acc_t>(dy[off]);
+              add_exact(s, sr, d);
+              add_exact(t, tr, d * (static_cast<acc_t>(x[off]) - m));
+            }
+            sd[j] = static_cast<double>(s) + static_cast<double>(sr);
+            sx[j] = static_cast<double>(t) + static_cast<double>(tr);
+          });
       for (int64_t j = 0; j < nc; ++j) {
-        const int64_t s = (c0 + j) * per + blk.slot;
-        p_dy[s] = sd[j];
-        p_dyxc[s] = sx[j];
+        const int64_t slot = (c0 + j) * per + blk.slot;
+        p_dy[slot] = sd[j];
+        p_dyxc[slot] = sx[j];
       }
     }
   });
