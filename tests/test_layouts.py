@@ -62,6 +62,8 @@ ZERO_COPY = [
     ("NCHW-[N,1,1,1]", lambda dt: _nchw(dtype=dt), [N, 1, 1, 1], "NCX"),
     ("NCHW-[1,1,1,1]", lambda dt: _nchw(dtype=dt), [1, 1, 1, 1], "NCX"),
     ("NHWC-1d", lambda dt: torch.randn(N, H, W, C).to(dt), [C], "NXC"),
+    # Any dense permutation: the plan follows the strides (here memory order N, W, C, H).
+    ("permuted-1d", lambda dt: torch.randn(N, W, C, H).to(dt).permute(0, 2, 3, 1), [C], "NCX"),
     ("NC-1d", lambda dt: torch.randn(N, C).to(dt), [C], "NCX"),
     ("channels_last-1d", lambda dt: _nchw(CL, dtype=dt), [C], "NCX"),
     ("channels_last-[1,C,1,1]", lambda dt: _nchw(CL, dtype=dt), [1, C, 1, 1], "NCX"),
