@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
 
 namespace torch_bn_grad {
 namespace {
@@ -16,10 +17,16 @@ bool is_half_type(at::ScalarType t) {
   return t == at::kHalf || t == at::kBFloat16;
 }
 
+// A dtype as Python users write it: torch.float32, torch.bfloat16, ...
+std::string dtype_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
 void check_data_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dt = t.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kDouble || dt == at::kFloat || is_half_type(dt), op, ": ", name,
-                   " must have dtype float64, float32, float16 or bfloat16, got ", dt);
+                   " must have dtype torch.float64, torch.float32, torch.float16 or torch.bfloat16, got ",
+                   dtype_name(dt));
 }
 
 void check_epsilon(const char* op, double epsilon) {
@@ -44,14 +51,15 @@ void check_param_dtype(const char* op, const char* name, const at::Tensor& t,
   const auto dt = t.scalar_type();
   const auto sdt = src.scalar_type();
   if (is_half_type(sdt)) {
-    TORCH_CHECK_TYPE(dt == sdt || dt == at::kFloat, op, ": ", name, " must have dtype float32 or ",
-                     sdt, " (src is ", sdt, "), got ", dt);
+    TORCH_CHECK_TYPE(dt == sdt || dt == at::kFloat, op, ": ", name, " must have dtype torch.float32 or ",
+                     dtype_name(sdt), " (src's dtype is ", dtype_name(sdt), "), got ", dtype_name(dt));
   } else {
-    TORCH_CHECK_TYPE(dt == sdt, op, ": ", name, " must have src's dtype ", sdt, ", got ", dt);
+    TORCH_CHECK_TYPE(dt == sdt, op, ": ", name, " must have src's dtype ", dtype_name(sdt), ", got ",
+                     dtype_name(dt));
   }
   if (first != nullptr) {
-    TORCH_CHECK_TYPE(dt == first->scalar_type(), op, ": ", name, " must have the same dtype as ",
-                     first_name, " (", first->scalar_type(), "), got ", dt);
+    TORCH_CHECK_TYPE(dt == first->scalar_type(), op, ": ", name, " must have ", first_name, "'s dtype ",
+                     dtype_name(first->scalar_type()), ", got ", dtype_name(dt));
   }
 }
 
@@ -184,8 +192,8 @@ ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_ds
   check_src(op, src, epsilon, data_format);
   check_same_device(op, "diff_dst", diff_dst, src);
   TORCH_CHECK_TYPE(diff_dst.scalar_type() == src.scalar_type(), op,
-                   ": diff_dst must have src's dtype ", src.scalar_type(), ", got ",
-                   diff_dst.scalar_type());
+                   ": diff_dst must have src's dtype ", dtype_name(src.scalar_type()), ", got ",
+                   dtype_name(diff_dst.scalar_type()));
   TORCH_CHECK_VALUE(diff_dst.sizes() == src.sizes(), op, ": diff_dst must have src's shape ",
                     src.sizes(), ", got ", diff_dst.sizes());
   std::vector<int64_t> stats_shape;

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -26,60 +27,82 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_TYPES else dtype
 
 
-def reduced_dims(x: Tensor, data_format: str) -> list[int]:
+def broadcast_shape(x: Tensor, data_format: str, stats_shape: Optional[Sequence[int]] = None) -> list[int]:
+    """Shape in which the per-channel tensors broadcast against `x`.
+
+    `stats_shape` itself in the DirectML broadcast form (statistics of x's
+    rank); otherwise 1 everywhere but the channel axis that `data_format` picks.
+    """
+    if stats_shape is not None and len(stats_shape) == x.dim():
+        return list(stats_shape)
     axis = 1 if data_format == "NCX" else x.dim() - 1
-    return [d for d in range(x.dim()) if d != axis]
-
-
-def per_channel_view(t: Tensor, x: Tensor, data_format: str) -> Tensor:
     shape = [1] * x.dim()
-    shape[1 if data_format == "NCX" else x.dim() - 1] = -1
-    return t.reshape(shape)
+    shape[axis] = x.shape[axis]
+    return shape
+
+
+def reduced_dims(x: Tensor, data_format: str, stats_shape: Optional[Sequence[int]] = None) -> list[int]:
+    """The dims each channel reduces over: those where the broadcast shape is 1."""
+    return [d for d, s in enumerate(broadcast_shape(x, data_format, stats_shape)) if s == 1]
+
+
+def _sum(t: Tensor, dims: Sequence[int]) -> Tensor:
+    """Sum over `dims`, kept as size-1 dims; nothing to reduce leaves `t` as is."""
+    return t.sum(dim=list(dims), keepdim=True) if dims else t
+
+
+def _count(x: Tensor, dims: Sequence[int]) -> int:
+    return math.prod(x.shape[d] for d in dims)
 
 
 def reference_forward(x, gamma, beta, mean, var, eps, data_format):
-    """float64 batch norm; returns (dst, mean, var) like batch_norm_forward."""
+    """float64 batch norm; returns (dst, mean, var) like batch_norm_forward.
+
+    The per-channel tensors are 1-D of length C (axis from `data_format`) or,
+    in the broadcast form, of x's rank; the first one given fixes the form.
+    """
     x = x.double()
-    dims = reduced_dims(x, data_format)
+    given = next((t for t in (mean, var, gamma, beta) if t is not None), None)
+    stats_shape = list(given.shape) if given is not None else None
+    shape = broadcast_shape(x, data_format, stats_shape)
+    out_shape = stats_shape if stats_shape is not None else [x.shape[1 if data_format == "NCX" else -1]]
+    dims = reduced_dims(x, data_format, stats_shape)
+    bc = lambda t: t.double().reshape(shape)  # noqa: E731
     if mean is None:
-        var_, mean_ = torch.var_mean(x, dim=dims, correction=0)
+        m = _count(x, dims)
+        mean_ = _sum(x, dims) / m
+        var_ = _sum((x - mean_) ** 2, dims) / m
     else:
-        mean_, var_ = mean.double(), var.double()
-    bc = lambda t: per_channel_view(t, x, data_format)  # noqa: E731
-    dst = (x - bc(mean_)) / torch.sqrt(bc(var_) + eps)
+        mean_, var_ = bc(mean), bc(var)
+    dst = (x - mean_) / torch.sqrt(var_ + eps)
     if gamma is not None:
-        dst = dst * bc(gamma.double())
+        dst = dst * bc(gamma)
     if beta is not None:
-        dst = dst + bc(beta.double())
-    return dst, mean_, var_
+        dst = dst + bc(beta)
+    return dst, mean_.reshape(out_shape), var_.reshape(out_shape)
 
 
 def reference_backward(x, dy, mean, var, gamma, eps, data_format, training):
-    """float64 autograd of the normalization, with the given statistics.
+    """The contract's gradients (API.md, Notation) in float64, with the given statistics.
 
-    Training mode differentiates through the batch statistics of x (which must
-    be what `mean`/`var` are); frozen mode treats them as constants.
+    Training mode is the full gradient through batch statistics (of which
+    `mean`/`var` are the values); frozen mode treats them as constants.
     """
-    x = x.double().detach().requires_grad_()
-    g = gamma.double().detach().requires_grad_() if gamma is not None else None
-    b = torch.zeros_like(mean, dtype=torch.float64).requires_grad_()
-    if training:
-        dst, _, _ = reference_forward(x, g, b, None, None, eps, data_format)
+    x, dy = x.double(), dy.double()
+    shape = broadcast_shape(x, data_format, list(mean.shape))
+    dims = reduced_dims(x, data_format, list(mean.shape))
+    m = _count(x, dims)
+    bc = lambda t: t.double().reshape(shape)  # noqa: E731
+    rstd = 1 / torch.sqrt(bc(var) + eps)
+    xhat = (x - bc(mean)) * rstd
+    g = bc(gamma) if gamma is not None else 1.0
+    diff_beta = _sum(dy, dims)
+    diff_gamma = _sum(dy * xhat, dims)
+    if training and m > 0:
+        diff_src = g * rstd * (dy - diff_beta / m - xhat * diff_gamma / m)
     else:
-        dst, _, _ = reference_forward(x, g, b, mean, var, eps, data_format)
-    inputs = [x, b] + ([g] if g is not None else [])
-    grads = torch.autograd.grad(dst, inputs, dy.double())
-    dx, db = grads[0], grads[1]
-    dg = grads[2] if g is not None else reference_diff_gamma(x, dy, mean, var, eps, data_format)
-    return dx, dg, db
-
-
-def reference_diff_gamma(x, dy, mean, var, eps, data_format):
-    """sum(dy * xhat) per channel, in float64."""
-    x, dy = x.double().detach(), dy.double()
-    bc = lambda t: per_channel_view(t, x, data_format)  # noqa: E731
-    xhat = (x - bc(mean.double())) / torch.sqrt(bc(var.double()) + eps)
-    return (dy * xhat).sum(reduced_dims(x, data_format))
+        diff_src = g * rstd * dy
+    return diff_src, diff_gamma.reshape(mean.shape), diff_beta.reshape(mean.shape)
 
 
 @dataclass

@@ -3,6 +3,7 @@ data format, rank and memory layout; opcheck; the per-ISA kernels."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -64,12 +65,19 @@ def test_backward_matches_reference(case, training, with_gamma):
     assert_close(db, ref_db, case.dtype, scale=m)
 
 
-def test_output_mask_returns_none():
-    x, dy = torch.randn(4, 3, 5), torch.randn(4, 3, 5)
-    mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
-    full = torch_bn_grad.batch_norm_backward(x, dy, mean, var)
-    for mask in [(True, False, False), (False, True, True), (False, False, True), (False, False, False)]:
-        out = torch_bn_grad.batch_norm_backward(x, dy, mean, var, output_mask=mask)
+STATS_FORMS = {"1d": [3], "broadcast": [1, 3, 1]}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "frozen"])
+@pytest.mark.parametrize("form", list(STATS_FORMS))
+def test_output_mask_returns_none(form, training):
+    g = torch.Generator().manual_seed(7)
+    x, dy = torch.randn(4, 3, 5, generator=g), torch.randn(4, 3, 5, generator=g)
+    gamma = torch.rand(STATS_FORMS[form], generator=g) + 0.5
+    _, mean, var = torch_bn_grad.batch_norm_forward(x, gamma, None)
+    full = torch_bn_grad.batch_norm_backward(x, dy, mean, var, gamma, training=training)
+    for mask in itertools.product((True, False), repeat=3):
+        out = torch_bn_grad.batch_norm_backward(x, dy, mean, var, gamma, training=training, output_mask=mask)
         for o, f, wanted in zip(out, full, mask):
             if wanted:
                 torch.testing.assert_close(o, f, atol=0, rtol=0)
@@ -77,13 +85,43 @@ def test_output_mask_returns_none():
                 assert o is None
 
 
-def test_empty_batch():
-    x = torch.randn(0, 3, 4)
+# (src shape, statistics shape, data_format, memory format): M == 0 in each form.
+EMPTY_BATCHES = {
+    "NCX": ((0, 3, 4), [3], "NCX", torch.contiguous_format),
+    "NXC": ((0, 4, 3), [3], "NXC", torch.contiguous_format),
+    "broadcast": ((0, 3, 4), [1, 3, 1], "NCX", torch.contiguous_format),
+    "channels_last": ((0, 3, 4, 5), [3], "NCX", torch.channels_last),
+    "rank1": ((0,), [1], "NCX", torch.contiguous_format),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("form", list(EMPTY_BATCHES))
+def test_empty_batch(form, dtype):
+    shape, sshape, fmt, memory_format = EMPTY_BATCHES[form]
+    x = torch.empty(shape, dtype=dtype).to(memory_format=memory_format)
+    gamma = torch.ones(sshape)
+    dst, mean, var = torch_bn_grad.batch_norm_forward(x, gamma, None, data_format=fmt)
+    assert dst.shape == x.shape and dst.is_contiguous(memory_format=memory_format)
+    assert list(mean.shape) == sshape and mean.dtype == torch.float32
+    assert mean.isnan().all() and var.isnan().all()
+    given = torch.zeros(sshape), torch.ones(sshape)
+    _, m, v = torch_bn_grad.batch_norm_forward(x, gamma, None, *given, data_format=fmt)
+    assert torch.equal(m, given[0]) and torch.equal(v, given[1])
+    for training in (True, False):
+        dx, dg, db = torch_bn_grad.batch_norm_backward(x, x, *given, gamma, data_format=fmt, training=training)
+        assert dx.shape == x.shape and dx.dtype == dtype and dx.is_contiguous(memory_format=memory_format)
+        assert torch.equal(dg, torch.zeros(sshape)) and torch.equal(db, torch.zeros(sshape))
+    _, dg, db = torch_bn_grad.batch_norm_backward(x, x, *given, data_format=fmt, output_mask=(False, True, False))
+    assert torch.equal(dg, torch.zeros(sshape)) and db is None
+
+
+def test_no_channels():
+    x = torch.randn(2, 0, 3)
     dst, mean, var = torch_bn_grad.batch_norm_forward(x)
-    assert dst.shape == x.shape and mean.isnan().all() and var.isnan().all()
-    dx, dg, db = torch_bn_grad.batch_norm_backward(x, x.clone(), torch.zeros(3), torch.ones(3))
-    assert dx.shape == x.shape
-    assert torch.equal(dg, torch.zeros(3)) and torch.equal(db, torch.zeros(3))
+    assert dst.shape == x.shape and mean.shape == var.shape == (0,)
+    dx, dg, db = torch_bn_grad.batch_norm_backward(x, x, mean, var)
+    assert dx.shape == x.shape and dg.shape == db.shape == (0,)
 
 
 def test_inputs_are_not_modified():
@@ -108,25 +146,42 @@ def test_half_data_with_same_dtype_parameters():
     assert_close(dst, ref, torch.bfloat16)
 
 
-def test_results_do_not_depend_on_thread_count():
+def _determinism_inputs(family: str, dtype: torch.dtype):
+    """Inputs that span many reduction blocks in each kernel family: per-channel
+    planes (NCHW), rows with channels innermost (channels_last), and rows with
+    more channels than one block takes (NXC, 300 channels)."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(16, 8, 40, 40, generator=g) * 3 + 100
-    dy = torch.randn(16, 8, 40, 40, generator=g)
+    if family == "rows-wide":
+        shape, fmt = (2000, 300), "NXC"
+    else:
+        shape, fmt = (16, 8, 40, 40), "NCX"
+    x = (torch.randn(shape, generator=g) * 3 + 100).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    if family == "rows":
+        x, dy = x.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    return x, dy, fmt
+
+
+@pytest.mark.parametrize("family", ["planes", "rows", "rows-wide"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_results_are_bitwise_identical_across_runs_and_thread_counts(dtype, family):
+    x, dy, fmt = _determinism_inputs(family, dtype)
+
+    def run():
+        dst, mean, var = torch_bn_grad.batch_norm_forward(x, data_format=fmt)
+        grads = torch_bn_grad.batch_norm_backward(x, dy, mean, var, data_format=fmt)
+        return (dst, mean, var, *grads)
+
     threads = torch.get_num_threads()
-    results = []
     try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for t in (x, x.to(memory_format=torch.channels_last)):
-                dst, mean, var = torch_bn_grad.batch_norm_forward(t)
-                grads = torch_bn_grad.batch_norm_backward(t, dy, mean, var)
-                results.append((dst, mean, var, *grads))
+        torch.set_num_threads(2)
+        first, again = run(), run()
+        torch.set_num_threads(1)
+        single = run()
     finally:
         torch.set_num_threads(threads)
-    for a, b in zip(results[0], results[2]):
-        assert torch.equal(a, b)
-    for a, b in zip(results[1], results[3]):
-        assert torch.equal(a, b)
+    for a, b, c in zip(first, again, single):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 OPCHECK_CASES = [

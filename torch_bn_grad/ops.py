@@ -43,9 +43,10 @@ def batch_norm_forward(
         format, and the statistics that were used (float32 for float16/bfloat16
         ``src`` when computed).
     """
-    _check_data_format(data_format)
+    op = "batch_norm_forward"
+    _check_data_format(op, data_format)
     return torch.ops.torch_bn_grad.batch_norm_forward.default(
-        src, gamma, beta, mean, variance, float(epsilon), data_format
+        src, gamma, beta, mean, variance, _epsilon(op, epsilon), data_format
     )
 
 
@@ -68,23 +69,35 @@ def batch_norm_backward(
     constants. ``output_mask[i]`` false skips that output and returns ``None``.
     The two per-channel sums are taken in one pass over the data.
     """
-    _check_data_format(data_format)
-    mask = _check_output_mask(output_mask)
+    op = "batch_norm_backward"
+    _check_data_format(op, data_format)
+    mask = _check_output_mask(op, output_mask)
     outputs = torch.ops.torch_bn_grad.batch_norm_backward.default(
-        src, diff_dst, mean, variance, gamma, float(epsilon), data_format, bool(training), mask
+        src, diff_dst, mean, variance, gamma, _epsilon(op, epsilon), data_format, bool(training), mask
     )
     return tuple(out if wanted else None for out, wanted in zip(outputs, mask))  # type: ignore[return-value]
 
 
-def _check_data_format(data_format: object) -> None:
+# The operators check their arguments themselves (csrc/batch_norm_args.cpp);
+# these catch what cannot reach them: arguments of the wrong Python type.
+def _check_data_format(op: str, data_format: object) -> None:
     if not isinstance(data_format, str):
-        raise ValueError(f"data_format must be 'NCX' or 'NXC', got {data_format!r}")
+        raise ValueError(f"{op}: data_format must be 'NCX' or 'NXC', got {data_format!r}")
 
 
-def _check_output_mask(output_mask: Sequence[bool]) -> list[bool]:
+def _epsilon(op: str, epsilon: object) -> float:
+    try:
+        return float(epsilon)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: epsilon must be a real number, got {epsilon!r}") from None
+
+
+def _check_output_mask(op: str, output_mask: Sequence[bool]) -> list[bool]:
     mask = list(output_mask)
     if len(mask) != 3:
-        raise ValueError(f"output_mask must have 3 entries (diff_src, diff_gamma, diff_beta), got {len(mask)}")
+        raise ValueError(
+            f"{op}: output_mask must have 3 entries (diff_src, diff_gamma, diff_beta), got {len(mask)}"
+        )
     return [bool(m) for m in mask]
 
 
@@ -98,6 +111,10 @@ def _check_same_device(op: str, src: Tensor, **tensors: Optional[Tensor]) -> Non
             )
 
 
+def _given(t: Optional[Tensor]) -> str:
+    return "None" if t is None else "tensor"
+
+
 def _computed_stats_dtype(src: Tensor) -> torch.dtype:
     return torch.float32 if src.dtype in _HALF_TYPES else src.dtype
 
@@ -105,7 +122,11 @@ def _computed_stats_dtype(src: Tensor) -> torch.dtype:
 @torch.library.register_fake("torch_bn_grad::batch_norm_forward")
 def _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_format):
     _check_same_device("batch_norm_forward", src, gamma=gamma, beta=beta, mean=mean, variance=variance)
-    torch._check_value((mean is None) == (variance is None), lambda: "mean and variance must be given together")
+    torch._check_value(
+        (mean is None) == (variance is None),
+        lambda: "batch_norm_forward: mean and variance must be given together (frozen statistics) or both "
+        f"omitted (batch statistics), got mean={_given(mean)} and variance={_given(variance)}",
+    )
     ref = next((t for t in (mean, variance, gamma, beta) if t is not None), None)
     shape = _channels.stats_shape(src, ref, data_format)
     dtype = mean.dtype if mean is not None else _computed_stats_dtype(src)
@@ -115,7 +136,10 @@ def _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_for
 @torch.library.register_fake("torch_bn_grad::batch_norm_backward")
 def _batch_norm_backward_fake(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     _check_same_device("batch_norm_backward", src, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
-    torch._check_value(diff_dst.shape == src.shape, lambda: "diff_dst must have src's shape")
+    torch._check_value(
+        diff_dst.shape == src.shape,
+        lambda: f"batch_norm_backward: diff_dst must have src's shape {list(src.shape)}, got {list(diff_dst.shape)}",
+    )
     diff_src = torch.empty_like(src) if output_mask[0] else src.new_empty(0)
     diff_gamma = mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0)
     diff_beta = mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0)
