@@ -182,6 +182,15 @@ void check_src(const char* op, const at::Tensor& src, double epsilon, c10::strin
   check_data_format(op, data_format);
 }
 
+// A data tensor that must match src's device, dtype and shape.
+void check_same_like_src(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src) {
+  check_same_device(op, name, t, src);
+  TORCH_CHECK_TYPE(t.scalar_type() == src.scalar_type(), op, ": ", name, " must have src's dtype ",
+                   dtype_name(src.scalar_type()), ", got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.sizes() == src.sizes(), op, ": ", name, " must have src's shape ", src.sizes(),
+                    ", got ", t.sizes());
+}
+
 }  // namespace
 
 ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_dst,
@@ -190,12 +199,7 @@ ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_ds
                                 c10::string_view data_format) {
   const char* op = "batch_norm_backward";
   check_src(op, src, epsilon, data_format);
-  check_same_device(op, "diff_dst", diff_dst, src);
-  TORCH_CHECK_TYPE(diff_dst.scalar_type() == src.scalar_type(), op,
-                   ": diff_dst must have src's dtype ", dtype_name(src.scalar_type()), ", got ",
-                   dtype_name(diff_dst.scalar_type()));
-  TORCH_CHECK_VALUE(diff_dst.sizes() == src.sizes(), op, ": diff_dst must have src's shape ",
-                    src.sizes(), ", got ", diff_dst.sizes());
+  check_same_like_src(op, "diff_dst", diff_dst, src);
   std::vector<int64_t> stats_shape;
   check_same_device(op, "mean", mean, src);
   check_param_dtype(op, "mean", mean, src, nullptr, nullptr);
@@ -239,6 +243,30 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
     if (t->has_value() && &t->value() != first) check_param(op, name, t->value(), src, stats_shape, first, first_name);
   }
   return build_plan(src, kept, std::move(stats_shape));
+}
+
+ChannelPlan check_stage_args(const char* op, const at::Tensor& src, const at::Tensor* diff_dst,
+                             const std::optional<at::Tensor>& gamma, double epsilon,
+                             c10::string_view data_format) {
+  check_src(op, src, epsilon, data_format);
+  TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank,
+                    " (the split stages take 1-D statistics), got shape ", src.sizes());
+  if (diff_dst != nullptr) check_same_like_src(op, "diff_dst", *diff_dst, src);
+  std::vector<int64_t> stats_shape;
+  const auto kept = kept_dims(op, src, nullptr, nullptr, data_format, stats_shape);
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, nullptr, nullptr);
+  return build_plan(src, kept, std::move(stats_shape));
+}
+
+void check_stage_stats(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
+                       const ChannelPlan& plan, int64_t rows) {
+  check_same_device(op, name, t, src);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kDouble, op, ": ", name, " must have dtype float64, got ",
+                   dtype_name(t.scalar_type()));
+  const std::vector<int64_t> expected =
+      rows == 0 ? std::vector<int64_t>{plan.channels} : std::vector<int64_t>{rows, plan.channels};
+  TORCH_CHECK_VALUE(t.sizes().vec() == expected, op, ": ", name, " must have shape ",
+                    c10::IntArrayRef(expected), " (C = ", plan.channels, "), got ", t.sizes());
 }
 
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {

@@ -48,6 +48,17 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
                                const std::optional<at::Tensor>& variance, double epsilon,
                                c10::string_view data_format);
 
+// Validates src (and diff_dst, when given) and gamma of the split-stage
+// operators, which take the 1-D channel form only, and returns the plan.
+ChannelPlan check_stage_args(const char* op, const at::Tensor& src, const at::Tensor* diff_dst,
+                             const std::optional<at::Tensor>& gamma, double epsilon,
+                             c10::string_view data_format);
+
+// A float64 per-channel tensor of a split-stage operator: shape (C,) when
+// `rows` is 0, else `rows` packed rows (rows, C); on src's device.
+void check_stage_stats(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
+                       const ChannelPlan& plan, int64_t rows);
+
 // `t` (src's shape) as a contiguous [outer, channels, inner] tensor; a view
 // when its layout allows, else a copy.
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan);

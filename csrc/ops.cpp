@@ -34,4 +34,24 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "batch_norm_backward(Tensor src, Tensor diff_dst, Tensor mean, Tensor variance, Tensor? gamma, "
       "float epsilon, str data_format, bool training, bool[3] output_mask) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta)");
+
+  // Split stages, for batch statistics over several processes (SyncBatchNorm).
+  // They take the 1-D channel form (src of rank 2 to 8, channel axis chosen by
+  // data_format); their per-channel statistics are float64 of shape (C,), and
+  // what crosses processes comes packed as rows of one (k, C) float64 tensor.
+  //
+  // batch_norm_local_stats: rows (count, mean, m2) of src, m2 being the centred
+  // second moment sum((src - mean)^2); an empty src gives rows of zeros, which
+  // combine with other processes' statistics as "no samples" (Chan et al.).
+  m.def("batch_norm_local_stats(Tensor src, str data_format) -> Tensor");
+  // batch_norm_grad_sums: rows (sum(diff_dst), sum(diff_dst * (src - mean))) of
+  // the local data, about the given (global) mean; zeros for an empty src.
+  m.def("batch_norm_grad_sums(Tensor src, Tensor diff_dst, Tensor mean, str data_format) -> Tensor");
+  // batch_norm_grad_input: the training-mode diff_src of the whole batch, from
+  // its mean, biased variance and per-channel element count and the two
+  // gradient sums (rows as batch_norm_grad_sums returns them) summed over it:
+  // g * rstd * (diff_dst - sum_dy / count - (src - mean) * rstd^2 * sum_dy_xc / count).
+  m.def(
+      "batch_norm_grad_input(Tensor src, Tensor diff_dst, Tensor mean, Tensor variance, Tensor? gamma, "
+      "Tensor count, Tensor grad_sums, float epsilon, str data_format) -> Tensor");
 }
