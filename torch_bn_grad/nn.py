@@ -23,7 +23,8 @@ class _FusedForward:
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
-                factor = 1.0 / self.num_batches_tracked
+                # float64: 1 / an int64 tensor would be float32, off by 1e-8 relative.
+                factor = 1.0 / self.num_batches_tracked.double()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
         return _batch_norm(
