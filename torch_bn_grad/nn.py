@@ -1,15 +1,18 @@
-"""Drop-in ``BatchNorm1d/2d/3d`` modules and ``convert_batchnorm``."""
+"""Drop-in ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` modules and ``convert_batchnorm``."""
 
 from __future__ import annotations
 
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad.functional import _batch_norm
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "convert_batchnorm"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "convert_batchnorm"]
 
 
 class _FusedForward:
@@ -27,15 +30,25 @@ class _FusedForward:
                 factor = 1.0 / self.num_batches_tracked.double()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
-        return _batch_norm(
+        return self._normalize(
             input,
             self.running_mean if keep_running else None,
             self.running_var if keep_running else None,
-            self.weight,
-            self.bias,
             use_batch_stats,
             factor,
-            self.eps,
+        )
+
+    def _normalize(
+        self,
+        input: Tensor,
+        running_mean: Optional[Tensor],
+        running_var: Optional[Tensor],
+        use_batch_stats: bool,
+        momentum: Union[float, Tensor],
+    ) -> Tensor:
+        """The batch norm itself, once the module has chosen its statistics."""
+        return _batch_norm(
+            input, running_mean, running_var, self.weight, self.bias, use_batch_stats, momentum, self.eps
         )
 
 
@@ -51,6 +64,73 @@ class BatchNorm3d(_FusedForward, torch.nn.BatchNorm3d):
     """Drop-in for :class:`torch.nn.BatchNorm3d` (inputs (N, C, D, H, W))."""
 
 
+class SyncBatchNorm(_FusedForward, _BatchNorm):
+    """Drop-in for :class:`torch.nn.SyncBatchNorm` (inputs (N, C, *)), same constructor.
+
+    In training, with an initialized ``torch.distributed`` process group of more
+    than one process (``process_group``, else the world), the statistics and
+    the input gradient are those of the whole batch spread over the group's
+    processes, which may hold different batch sizes, an empty one included.
+    Parameter gradients stay local (DDP averages them). One collective per
+    direction, no host synchronization, and it compiles without graph breaks
+    (see :mod:`torch_bn_grad.distributed`). Otherwise (eval mode, no process
+    group, one process) it is a local BatchNorm, as torch's is.
+
+    It derives from ``_BatchNorm``, not from ``torch.nn.SyncBatchNorm``, which
+    DistributedDataParallel refuses in CPU modules; so it also runs on gloo.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                         bias=bias)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        # torch's SyncBatchNorm checks, with its messages.
+        torch.nn.SyncBatchNorm._check_input_dim(self, input)
+        torch.nn.SyncBatchNorm._check_non_zero_input_channels(self, input)
+
+    def _normalize(
+        self,
+        input: Tensor,
+        running_mean: Optional[Tensor],
+        running_var: Optional[Tensor],
+        use_batch_stats: bool,
+        momentum: Union[float, Tensor],
+    ) -> Tensor:
+        group = self._sync_group() if self.training else None
+        if group is None:
+            return super()._normalize(input, running_mean, running_var, use_batch_stats, momentum)
+        return sync_batch_norm(input, running_mean, running_var, self.weight, self.bias, momentum, self.eps, group)
+
+    def _sync_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group to synchronize over, or None to run locally."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    @classmethod
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None
+    ) -> torch.nn.Module:
+        """``convert_batchnorm(module, sync=True, process_group=process_group)``: this library's
+        SyncBatchNorm in place of every torch BatchNorm (torch's method would build its own)."""
+        return convert_batchnorm(module, sync=True, process_group=process_group)
+
+
 _REPLACEMENTS: dict[type, type] = {
     torch.nn.BatchNorm1d: BatchNorm1d,
     torch.nn.BatchNorm2d: BatchNorm2d,
@@ -58,13 +138,19 @@ _REPLACEMENTS: dict[type, type] = {
 }
 
 
-def _replacement(module: torch.nn.Module, sync: bool) -> Optional[torch.nn.Module]:
+def _replacement(
+    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup]
+) -> Optional[torch.nn.Module]:
     """This library's module for a torch BatchNorm, sharing its tensors; None if not one."""
-    target = _REPLACEMENTS.get(type(module))
-    if target is None:
+    kind = type(module)
+    if kind is torch.nn.SyncBatchNorm or (sync and kind in _REPLACEMENTS):
+        own_group = getattr(module, "process_group", None)
+        target: type = SyncBatchNorm
+        extra = {"process_group": process_group if process_group is not None else own_group}
+    elif kind in _REPLACEMENTS:
+        target, extra = _REPLACEMENTS[kind], {}
+    else:
         return None
-    if sync:
-        raise NotImplementedError("convert_batchnorm(sync=True): SyncBatchNorm is not available yet")
     new = target(
         module.num_features,
         eps=module.eps,
@@ -72,6 +158,7 @@ def _replacement(module: torch.nn.Module, sync: bool) -> Optional[torch.nn.Modul
         affine=module.affine,
         track_running_stats=module.track_running_stats,
         device="meta",
+        **extra,
     )
     # Share the very same Parameter and buffer objects.
     for name, param in module._parameters.items():
@@ -83,22 +170,24 @@ def _replacement(module: torch.nn.Module, sync: bool) -> Optional[torch.nn.Modul
 
 
 def convert_batchnorm(
-    module: torch.nn.Module, *, sync: bool = False, process_group: Optional[object] = None
+    module: torch.nn.Module, *, sync: bool = False, process_group: Optional[dist.ProcessGroup] = None
 ) -> torch.nn.Module:
-    """Replace every torch ``BatchNorm1d/2d/3d`` in ``module`` with this library's.
+    """Replace every torch ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` with this library's.
 
-    The replacements share the original Parameter and buffer tensors and keep
-    ``training`` and ``requires_grad``. Only modules whose type is exactly one
-    of torch's classes are replaced; children are replaced in place and the
-    root is returned (or its replacement, if the root itself is a BatchNorm).
-    Converting twice changes nothing.
+    With ``sync=True`` every one becomes a :class:`SyncBatchNorm` over
+    ``process_group`` (None: the world); a torch ``SyncBatchNorm`` becomes ours
+    even with ``sync=False``, keeping its own group unless ``process_group``
+    is given. The replacements share the original Parameter and buffer tensors
+    and keep ``training`` and ``requires_grad``. Only modules whose type is
+    exactly one of torch's classes are replaced; children are replaced in place
+    and the root is returned (or its replacement, if the root itself is a
+    BatchNorm). Converting twice changes nothing.
     """
-    del process_group  # used by the sync variant
-    replaced = _replacement(module, sync)
+    replaced = _replacement(module, sync, process_group)
     if replaced is not None:
         return replaced
     for name, child in module.named_children():
-        new_child = convert_batchnorm(child, sync=sync)
+        new_child = convert_batchnorm(child, sync=sync, process_group=process_group)
         if new_child is not child:
             setattr(module, name, new_child)
     return module

@@ -1,0 +1,133 @@
+"""Batch norm with statistics over a ``torch.distributed`` process group.
+
+``sync_batch_norm`` is the training-mode computation behind
+:class:`torch_bn_grad.nn.SyncBatchNorm`. Per layer it issues one collective in
+the forward (an all-gather of every process's packed ``(count, mean, m2)``,
+combined exactly with Chan et al.'s formula, so processes may hold different
+batch sizes, none included) and one in the backward (an all-reduce of the two
+packed per-channel gradient sums). The collectives are the traceable
+functional ones and nothing reads a tensor value on the host, so the layer
+compiles into one graph with ``torch.compile(fullgraph=True)`` and never
+synchronizes a CUDA stream with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from torch_bn_grad import ops, stages
+
+__all__ = ["sync_batch_norm"]
+
+
+def sync_batch_norm(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    momentum: Union[float, Tensor],
+    eps: float,
+    group: ProcessGroup,
+) -> Tensor:
+    """Training-mode batch norm of ``input`` (N, C, *) whose statistics span ``group``.
+
+    Every process of ``group`` must call it (with its own slice of the batch,
+    possibly empty). The output and the gradient of ``input`` equal those of a
+    single-process batch norm on the whole batch; the gradients of ``weight``
+    and ``bias`` are the local contributions (their sum over the group is the
+    whole batch's). ``running_mean``/``running_var``, when given, are updated
+    in place with ``momentum`` from the whole batch's statistics, unless the
+    whole batch is empty.
+    """
+    if not eps > 0:
+        raise ValueError(f"sync_batch_norm: eps must be positive in training, got {eps}")
+    local = stages.batch_norm_local_stats(input.detach())
+    gathered = funcol.all_gather_single(local, 0, group)
+    count, mean, variance = stages.combine_stats(gathered.view(-1, *local.shape))
+    if running_mean is not None or running_var is not None:
+        _update_running_stats(running_mean, running_var, count, mean, variance, momentum)
+    return _SyncBatchNormFunction.apply(input, weight, bias, count, mean, variance, eps, group)
+
+
+@torch.no_grad()
+def _update_running_stats(
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    count: Tensor,
+    mean: Tensor,
+    variance: Tensor,
+    momentum: Union[float, Tensor],
+) -> None:
+    """running = (1 - momentum) * running + momentum * batch (unbiased variance),
+    left unchanged when the whole batch is empty; decided on the device."""
+    seen = count > 0
+    if running_mean is not None:
+        updated = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
+        running_mean.copy_(torch.where(seen, updated, running_mean))
+    if running_var is not None:
+        unbiased = variance * (count / (count - 1).clamp_min(1))  # count 1: the variance itself
+        updated = running_var * (1 - momentum) + unbiased.to(running_var.dtype) * momentum
+        running_var.copy_(torch.where(seen, updated, running_var))
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Normalization with the whole batch's statistics, and its full training-mode gradient.
+
+    ``count``, ``mean`` and ``variance`` (float64, computed without autograd)
+    are the whole batch's. The backward takes the local gradient sums about the
+    global mean, keeps them for ``weight``/``bias`` and all-reduces them for
+    ``input``'s gradient.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: Tensor,
+        weight: Optional[Tensor],
+        bias: Optional[Tensor],
+        count: Tensor,
+        mean: Tensor,
+        variance: Tensor,
+        eps: float,
+        group: ProcessGroup,
+    ) -> Tensor:
+        # Statistics (and so parameters) in float32 for half-precision data, even
+        # with half-precision parameters: a mean rounded to bfloat16 would be too coarse.
+        stats_dtype = ops._computed_stats_dtype(input)
+        dst, _, _ = ops.batch_norm_forward(
+            input,
+            weight.to(stats_dtype) if weight is not None else None,
+            bias.to(stats_dtype) if bias is not None else None,
+            mean.to(stats_dtype),
+            variance.to(stats_dtype),
+            epsilon=eps,
+        )
+        ctx.save_for_backward(input, weight, count, mean, variance)
+        ctx.eps = eps
+        ctx.group = group
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return dst
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_dst: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        input, weight, count, mean, variance = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        sums = stages.batch_norm_grad_sums(input, grad_dst, mean)
+        grad_weight = grad_bias = grad_input = None
+        if need_weight:
+            grad_weight = (sums[1] * (variance + ctx.eps).rsqrt()).to(weight.dtype)
+        if need_bias:
+            grad_bias = sums[0].to(ctx.bias_dtype)
+        if need_input:
+            total = funcol.all_reduce(sums, "sum", ctx.group)
+            grad_input = stages.batch_norm_grad_input(
+                input, grad_dst, mean, variance, weight, count, total, epsilon=ctx.eps
+            )
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
