@@ -118,12 +118,14 @@ def _run_scenario(scenario: Scenario, rank: int, groups: dict) -> dict:
         result["param_grads"].append([p.grad for p in model.parameters()])
         result["running"].append([b.clone() for b in model.buffers()])
     if scenario.backend:
-        # Graphs compiled (a recompilation would add one; dynamo's restarts of an analysis do not).
+        # Graphs compiled for training: a recompilation would add one (dynamo's
+        # restarts of an analysis do not).
         result["graphs"] = counters["stats"]["unique_graphs"]
-        result["graph_breaks"] = sum(counters["graph_break"].values())
     model.eval()
     with torch.no_grad():
-        result["eval_output"] = model(scenario.local(scenario.batch(STEPS)[0], rank))
+        result["eval_output"] = forward(scenario.local(scenario.batch(STEPS)[0], rank))
+    if scenario.backend:
+        result["graph_breaks"] = sum(counters["graph_break"].values())
     return result
 
 
