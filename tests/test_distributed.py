@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +156,7 @@ def _spawn(suite: str, out_dir: Path) -> list[dict]:
     context = mp.start_processes(_worker, args=(store.port, str(out_dir), suite), nprocs=WORLD_SIZE,
                                  join=False, start_method="spawn")
     try:
-        finished = _join(context, TIMEOUT_S)
+        problem = _join(context, TIMEOUT_S)
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -163,7 +164,7 @@ def _spawn(suite: str, out_dir: Path) -> list[dict]:
                 process.join(5)
     errors = [p.read_text() for p in sorted(out_dir.glob("*.error"))]
     assert not errors, "worker failed:\n" + "\n".join(errors)
-    assert finished, f"workers did not finish within {TIMEOUT_S} s"
+    assert problem is None, problem
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
@@ -173,18 +174,16 @@ def rank_results(tmp_path_factory) -> list[dict]:
     return _spawn("default", tmp_path_factory.mktemp("sync"))
 
 
-def _join(context, timeout_s: float) -> bool:
-    """Waits for the workers until `timeout_s` has passed; False if they are still running."""
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-    while datetime.datetime.now() < deadline:
+def _join(context, timeout_s: float) -> Optional[str]:
+    """Waits for the workers at most `timeout_s`: None when they all finished, else what went wrong."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             if context.join(timeout=1):
-                return True
-        except mp.ProcessRaisedException:
-            return True  # its traceback is in the .error file
-        except mp.ProcessExitedException:
-            return True
-    return False
+                return None
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            return f"a worker failed: {error}"
+    return f"workers did not finish within {timeout_s} s"
 
 
 # ------------------------------------------------------------------ the reference and the checks
