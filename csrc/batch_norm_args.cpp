@@ -191,6 +191,34 @@ void check_same_like_src(const char* op, const char* name, const at::Tensor& t, 
                     ", got ", t.sizes());
 }
 
+// Validates src (and diff_dst, when given) and gamma of a split-stage
+// operator, which takes the 1-D channel form only, and returns the plan.
+ChannelPlan check_stage_args(const char* op, const at::Tensor& src, const at::Tensor* diff_dst,
+                             const std::optional<at::Tensor>& gamma, double epsilon,
+                             c10::string_view data_format) {
+  check_src(op, src, epsilon, data_format);
+  TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank,
+                    " (the split stages take 1-D statistics), got shape ", src.sizes());
+  if (diff_dst != nullptr) check_same_like_src(op, "diff_dst", *diff_dst, src);
+  std::vector<int64_t> stats_shape;
+  const auto kept = kept_dims(op, src, nullptr, nullptr, data_format, stats_shape);
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, nullptr, nullptr);
+  return build_plan(src, kept, std::move(stats_shape));
+}
+
+// A float64 per-channel tensor of a split-stage operator: shape (C,) when
+// `rows` is 0, else `rows` packed rows (rows, C); on src's device.
+void check_stage_stats(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
+                       const ChannelPlan& plan, int64_t rows) {
+  check_same_device(op, name, t, src);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kDouble, op, ": ", name, " must have dtype float64, got ",
+                   dtype_name(t.scalar_type()));
+  const std::vector<int64_t> expected =
+      rows == 0 ? std::vector<int64_t>{plan.channels} : std::vector<int64_t>{rows, plan.channels};
+  TORCH_CHECK_VALUE(t.sizes().vec() == expected, op, ": ", name, " must have shape ",
+                    c10::IntArrayRef(expected), " (C = ", plan.channels, "), got ", t.sizes());
+}
+
 }  // namespace
 
 ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_dst,
@@ -245,28 +273,29 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
   return build_plan(src, kept, std::move(stats_shape));
 }
 
-ChannelPlan check_stage_args(const char* op, const at::Tensor& src, const at::Tensor* diff_dst,
-                             const std::optional<at::Tensor>& gamma, double epsilon,
-                             c10::string_view data_format) {
-  check_src(op, src, epsilon, data_format);
-  TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank,
-                    " (the split stages take 1-D statistics), got shape ", src.sizes());
-  if (diff_dst != nullptr) check_same_like_src(op, "diff_dst", *diff_dst, src);
-  std::vector<int64_t> stats_shape;
-  const auto kept = kept_dims(op, src, nullptr, nullptr, data_format, stats_shape);
-  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, nullptr, nullptr);
-  return build_plan(src, kept, std::move(stats_shape));
+ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format) {
+  return check_stage_args("batch_norm_local_stats", src, nullptr, std::nullopt, 0.0, data_format);
 }
 
-void check_stage_stats(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
-                       const ChannelPlan& plan, int64_t rows) {
-  check_same_device(op, name, t, src);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kDouble, op, ": ", name, " must have dtype float64, got ",
-                   dtype_name(t.scalar_type()));
-  const std::vector<int64_t> expected =
-      rows == 0 ? std::vector<int64_t>{plan.channels} : std::vector<int64_t>{rows, plan.channels};
-  TORCH_CHECK_VALUE(t.sizes().vec() == expected, op, ": ", name, " must have shape ",
-                    c10::IntArrayRef(expected), " (C = ", plan.channels, "), got ", t.sizes());
+ChannelPlan check_grad_sums_args(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                 c10::string_view data_format) {
+  const char* op = "batch_norm_grad_sums";
+  ChannelPlan plan = check_stage_args(op, src, &diff_dst, std::nullopt, 0.0, data_format);
+  check_stage_stats(op, "mean", mean, src, plan, 0);
+  return plan;
+}
+
+ChannelPlan check_grad_input_args(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                  const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
+                                  const at::Tensor& count, const at::Tensor& grad_sums, double epsilon,
+                                  c10::string_view data_format) {
+  const char* op = "batch_norm_grad_input";
+  ChannelPlan plan = check_stage_args(op, src, &diff_dst, gamma, epsilon, data_format);
+  check_stage_stats(op, "mean", mean, src, plan, 0);
+  check_stage_stats(op, "variance", variance, src, plan, 0);
+  check_stage_stats(op, "count", count, src, plan, 0);
+  check_stage_stats(op, "grad_sums", grad_sums, src, plan, 2);
+  return plan;
 }
 
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {

@@ -48,16 +48,15 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
                                const std::optional<at::Tensor>& variance, double epsilon,
                                c10::string_view data_format);
 
-// Validates src (and diff_dst, when given) and gamma of the split-stage
-// operators, which take the 1-D channel form only, and returns the plan.
-ChannelPlan check_stage_args(const char* op, const at::Tensor& src, const at::Tensor* diff_dst,
-                             const std::optional<at::Tensor>& gamma, double epsilon,
-                             c10::string_view data_format);
-
-// A float64 per-channel tensor of a split-stage operator: shape (C,) when
-// `rows` is 0, else `rows` packed rows (rows, C); on src's device.
-void check_stage_stats(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
-                       const ChannelPlan& plan, int64_t rows);
+// The split-stage operators' arguments (1-D statistics only; per-channel
+// statistics float64 of shape (C,), packed rows (rows, C)), and their plan.
+ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format);
+ChannelPlan check_grad_sums_args(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                 c10::string_view data_format);
+ChannelPlan check_grad_input_args(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                  const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
+                                  const at::Tensor& count, const at::Tensor& grad_sums, double epsilon,
+                                  c10::string_view data_format);
 
 // `t` (src's shape) as a contiguous [outer, channels, inner] tensor; a view
 // when its layout allows, else a copy.

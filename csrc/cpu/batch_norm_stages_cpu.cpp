@@ -15,8 +15,7 @@ namespace torch_bn_grad::cpu {
 namespace {
 
 at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view data_format) {
-  const char* op = "batch_norm_local_stats";
-  const ChannelPlan plan = check_stage_args(op, src, nullptr, std::nullopt, 0.0, data_format);
+  const ChannelPlan plan = check_local_stats_args(src, data_format);
   const int64_t count = plan.reduced_count();
   at::Tensor stats = at::zeros({3, plan.channels}, src.options().dtype(at::kDouble));
   if (count > 0 && plan.channels > 0) {
@@ -32,9 +31,7 @@ at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view da
 
 at::Tensor batch_norm_grad_sums_cpu(const at::Tensor& src, const at::Tensor& diff_dst,
                                     const at::Tensor& mean, c10::string_view data_format) {
-  const char* op = "batch_norm_grad_sums";
-  const ChannelPlan plan = check_stage_args(op, src, &diff_dst, std::nullopt, 0.0, data_format);
-  check_stage_stats(op, "mean", mean, src, plan, 0);
+  const ChannelPlan plan = check_grad_sums_args(src, diff_dst, mean, data_format);
   at::Tensor sums = at::zeros({2, plan.channels}, src.options().dtype(at::kDouble));
   if (plan.reduced_count() > 0 && plan.channels > 0) {
     at::Tensor sum_dy = sums[0];
@@ -52,12 +49,8 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
                                      const std::optional<at::Tensor>& gamma, const at::Tensor& count,
                                      const at::Tensor& grad_sums, double epsilon,
                                      c10::string_view data_format) {
-  const char* op = "batch_norm_grad_input";
-  const ChannelPlan plan = check_stage_args(op, src, &diff_dst, gamma, epsilon, data_format);
-  check_stage_stats(op, "mean", mean, src, plan, 0);
-  check_stage_stats(op, "variance", variance, src, plan, 0);
-  check_stage_stats(op, "count", count, src, plan, 0);
-  check_stage_stats(op, "grad_sums", grad_sums, src, plan, 2);
+  const ChannelPlan plan =
+      check_grad_input_args(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format);
   KernelOutput out = make_kernel_output(src, plan);
   if (src.numel() == 0) return out.result;
 

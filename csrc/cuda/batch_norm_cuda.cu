@@ -1,5 +1,6 @@
-// CUDA implementations of the operators. Same contract and per-channel math as
-// csrc/cpu/batch_norm_cpu.cpp: validate, view the data as [outer, channels,
+// CUDA implementations of the operators, the split-stage ones included. Same
+// contract and per-channel math as csrc/cpu/batch_norm_cpu.cpp (and
+// batch_norm_stages_cpu.cpp): validate, view the data as [outer, channels,
 // inner], reduce, derive the per-channel coefficients in float64 on the
 // device, then run one elementwise pass. The kernels and their launch planning
 // are in batch_norm_kernels.cuh.
@@ -7,6 +8,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -272,11 +274,148 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
           output_mask[2] ? from_kernel_channels(db, plan, stats_dtype, src) : at::empty({0}, mean.options())};
 }
 
+// ------------------------------------------------------------------ split stages
+// The split-stage operators (see ops.cpp): the same partial reductions and
+// elementwise pass, with the per-channel rows written as float64 and the
+// coefficients derived on the device from tensors (no host reads). With 1-D
+// statistics the kernel channel order is the logical one.
+
+// rows (3, channels): count, mean and m2 of each channel, from its partials.
+template <typename A>
+__global__ void __launch_bounds__(kThreads)
+    stats_rows_kernel(const Moments<A>* partials, int64_t per_channel, int64_t channels, double* rows) {
+  const int64_t k = warp_channel();
+  if (k >= channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  Moments<double> m{0, 0, 0};
+  for (int64_t i = lane; i < per_channel; i += kWarp) {
+    const Moments<A> p = partials[k * per_channel + i];
+    m = merge(m, Moments<double>{p.mean, p.m2, p.count});
+  }
+  m = warp_reduce(m);
+  if (lane != 0) return;
+  rows[k] = static_cast<double>(m.count);
+  rows[channels + k] = m.mean;
+  rows[2 * channels + k] = m.m2;
+}
+
+// rows (2, channels): sum(dy) and sum(dy * (x - mean)) of each channel.
+template <typename A>
+__global__ void __launch_bounds__(kThreads)
+    grad_sums_rows_kernel(const GradSums<A>* partials, int64_t per_channel, int64_t channels, double* rows) {
+  const int64_t k = warp_channel();
+  if (k >= channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  GradSums<double> s{0, 0};
+  for (int64_t i = lane; i < per_channel; i += kWarp) {
+    const GradSums<A> q = partials[k * per_channel + i];
+    s = merge(s, GradSums<double>{q.dy, q.dy_xc});
+  }
+  s = warp_reduce(s);
+  if (lane != 0) return;
+  rows[k] = s.dy;
+  rows[channels + k] = s.dy_xc;
+}
+
+// diff_src = a * dy + b * (x - mean) + c from whole-batch values: a = g * rstd,
+// b = -a * rstd^2 * sum_dy_xc / count, c = -a * sum_dy / count.
+template <typename A>
+__global__ void __launch_bounds__(kThreads)
+    grad_input_coefficients_kernel(const double* variance, const double* gamma, const double* count,
+                                   const double* sums, double epsilon, int64_t channels, A* a, A* b, A* c) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (k >= channels) return;
+  const double rstd = 1.0 / sqrt(variance[k] + epsilon);
+  // Inconsistent arguments (a count below 1 with data) must not divide by zero.
+  const double inv_n = count[k] >= 1 ? 1.0 / count[k] : 0.0;
+  const double ak = (gamma != nullptr ? gamma[k] : 1.0) * rstd;
+  a[k] = static_cast<A>(ak);
+  b[k] = static_cast<A>(-ak * rstd * rstd * sums[channels + k] * inv_n);
+  c[k] = static_cast<A>(-ak * sums[k] * inv_n);
+}
+
+at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view data_format) {
+  const ChannelPlan plan = check_local_stats_args(src, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const Extent e{plan.outer, plan.channels, plan.inner};
+  at::Tensor rows = at::zeros({3, e.channels}, src.options().dtype(at::kDouble));
+  if (src.numel() == 0) return rows;
+  const at::Tensor x = to_kernel_layout(src, plan);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_local_stats_cuda", [&] {
+    using A = Acc<scalar_t>;
+    const Partials<Moments<A>> partials = moment_partials<scalar_t>(x, e);
+    stats_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
+        partials.data, partials.per_channel, e.channels, rows.mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return rows;
+}
+
+at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                     c10::string_view data_format) {
+  const ChannelPlan plan = check_grad_sums_args(src, diff_dst, mean, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const Extent e{plan.outer, plan.channels, plan.inner};
+  at::Tensor rows = at::zeros({2, e.channels}, src.options().dtype(at::kDouble));
+  if (src.numel() == 0) return rows;
+  const at::Tensor x = to_kernel_layout(src, plan);
+  const at::Tensor dy = to_kernel_layout(diff_dst, plan);
+  const at::Tensor mean_k = to_kernel_channels(mean, plan, accumulate_type(src.scalar_type()), 0, src);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_sums_cuda", [&] {
+    using A = Acc<scalar_t>;
+    const Partials<GradSums<A>> partials = grad_sum_partials<scalar_t>(x, dy, mean_k, e);
+    grad_sums_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
+        partials.data, partials.per_channel, e.channels, rows.mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return rows;
+}
+
+at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                      const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
+                                      const at::Tensor& count, const at::Tensor& grad_sums, double epsilon,
+                                      c10::string_view data_format) {
+  const ChannelPlan plan =
+      check_grad_input_args(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  KernelOutput out = make_kernel_output(src, plan);
+  if (src.numel() == 0) return out.result;
+  const auto acc = accumulate_type(src.scalar_type());
+  const Extent e{plan.outer, plan.channels, plan.inner};
+  const at::Tensor x = to_kernel_layout(src, plan);
+  const at::Tensor dy = to_kernel_layout(diff_dst, plan);
+  const at::Tensor mean_k = to_kernel_channels(mean, plan, acc, 0, src);
+  const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+  const at::Tensor variance_d = variance.contiguous();
+  const at::Tensor count_d = count.contiguous();
+  const at::Tensor sums_d = grad_sums.contiguous();
+  const at::Tensor a = channel_vector(plan, src, acc);
+  const at::Tensor b = channel_vector(plan, src, acc);
+  const at::Tensor c = channel_vector(plan, src, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_input_cuda", [&] {
+    using A = Acc<scalar_t>;
+    const dim3 grid(static_cast<unsigned>(ceil_div(e.channels, kThreads)));
+    grad_input_coefficients_kernel<A><<<grid, kThreads, 0, stream()>>>(
+        variance_d.const_data_ptr<double>(), optional_data(gamma_d), count_d.const_data_ptr<double>(),
+        sums_d.const_data_ptr<double>(), epsilon, e.channels, a.mutable_data_ptr<A>(), b.mutable_data_ptr<A>(),
+        c.mutable_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const Affine<A> coef{mean_k.const_data_ptr<A>(), a.const_data_ptr<A>(), b.const_data_ptr<A>(),
+                         c.const_data_ptr<A>()};
+    apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), out.buffer, e, coef);
+  });
+  finish_kernel_output(out, plan);
+  return out.result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
   m.impl("batch_norm_forward", &batch_norm_forward_cuda);
   m.impl("batch_norm_backward", &batch_norm_backward_cuda);
+  m.impl("batch_norm_local_stats", &batch_norm_local_stats_cuda);
+  m.impl("batch_norm_grad_sums", &batch_norm_grad_sums_cuda);
+  m.impl("batch_norm_grad_input", &batch_norm_grad_input_cuda);
 }
 
 }  // namespace torch_bn_grad::cuda
