@@ -60,8 +60,12 @@ using at::vec::Vectorized;
 // Elements per reduction block: small enough to stay in L1/L2 between the two
 // statistics passes.
 constexpr int64_t kBlockElements = 16384;
-// Channels per block when channels are innermost (per-column accumulators).
+// Channels per block when channels are innermost (per-column accumulators),
+// and that block's target size: larger, so that the per-channel work of a
+// block (its centre, its partials) is spread over at least 256 rows, while x
+// and dy of a block still fit in L2 together.
 constexpr int64_t kColumnBlock = 256;
+constexpr int64_t kRowBlockElements = 65536;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -110,7 +114,7 @@ struct Blocks {
     } else {
       span_step = std::max<int64_t>(1, std::min(e.channels, kColumnBlock));
       n_span = ceil_div(e.channels, span_step);
-      outer_step = std::max<int64_t>(1, kBlockElements / span_step);
+      outer_step = std::max<int64_t>(1, kRowBlockElements / span_step);
       n_outer = ceil_div(e.outer, outer_step);
       total = n_outer * n_span;
     }
@@ -241,28 +245,69 @@ struct Kernels {
   static constexpr int64_t K = IO::kChunk;
   static constexpr int P = IO::kParts;
 
-  // Compensated sums of kinds of terms over a block: one (sum, error) vector
-  // pair per part of a chunk, and a float64 tail for the scalar remainder.
+  // Planes: independent accumulator chains hide the latency of the dependent
+  // compensated adds; chunk i of a run feeds group i % kGroups (a fixed
+  // assignment, so the result does not depend on anything but the shape).
+  static constexpr int kGroups = P >= 4 ? 1 : 4 / P;
+  static constexpr int kChains = kGroups * P;
+
+  // Compensated sums of N kinds of terms over a planes block, plus a float64
+  // tail for the scalar remainder.
   template <int N>
   struct Sums {
-    Vec sum[N][P], err[N][P];
+    Vec sum[N][kChains], err[N][kChains];
     double tail[N] = {};
     Sums() {
       for (int n = 0; n < N; ++n)
-        for (int q = 0; q < P; ++q) sum[n][q] = err[n][q] = Vec(acc_t(0));
+        for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = Vec(acc_t(0));
     }
     double total(int n) const {
       double lanes[W];
       double t = tail[n];
-      for (int q = 0; q < P; ++q) {
-        lanes_to_double(sum[n][q], err[n][q], lanes);
+      for (int c = 0; c < kChains; ++c) {
+        lanes_to_double(sum[n][c], err[n][c], lanes);
         for (int64_t i = 0; i < W; ++i) t += lanes[i];
       }
       return t;
     }
   };
 
-  // Largest magnitude of a chunk's lanes.
+  // Calls f(offset, chain base) for every full chunk of a run of n elements
+  // and returns where the scalar tail starts.
+  template <typename F>
+  static int64_t for_each_chunk(int64_t n, const F& f) {
+    int64_t j = 0;
+    for (; j + kGroups * K <= n; j += kGroups * K)
+      for (int g = 0; g < kGroups; ++g) f(j + g * K, g * P);
+    for (; j + K <= n; j += K) f(j, 0);
+    return j;
+  }
+
+  // Compensated per-channel accumulators of a rows block, in L1: the block is
+  // walked row by row (contiguous memory), lanes running across channels.
+  struct ColumnSums {
+    alignas(64) acc_t sum[kColumnBlock];
+    alignas(64) acc_t err[kColumnBlock];
+    explicit ColumnSums(int64_t n) {
+      std::fill(sum, sum + n, acc_t(0));
+      std::fill(err, err + n, acc_t(0));
+    }
+    void add(int64_t j, const Vec& v) {
+      Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
+      add_exact(s, r, v);
+      s.store(sum + j);
+      r.store(err + j);
+    }
+    void add_nonnegative(int64_t j, const Vec& v) {
+      Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
+      add_exact_nonnegative(s, r, v);
+      s.store(sum + j);
+      r.store(err + j);
+    }
+    void add(int64_t j, acc_t v) { add_exact(sum[j], err[j], v); }
+    double value(int64_t j) const { return static_cast<double>(sum[j]) + static_cast<double>(err[j]); }
+  };
+
   static acc_t max_lane(const Vec& v) {
     alignas(64) acc_t lanes[W];
     v.store(lanes);
@@ -273,44 +318,45 @@ struct Kernels {
   // and max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
   static void stats_block(const T* x, const Extent& e, const Block& blk, Partials& out) {
     const int64_t C = e.channels, I = e.inner;
-    Vec v[P];
     if (I > 1) {
       const int64_t k = blk.channel, n = blk.s1 - blk.s0;
       Sums<1> sx;
-      Vec max_v(acc_t(0));
+      Vec max_v[kChains];
+      for (auto& m : max_v) m = Vec(acc_t(0));
       acc_t max_abs = 0;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
         const T* p = x + (o * C + k) * I + blk.s0;
-        int64_t j = 0;
-        for (; j + K <= n; j += K) {
+        const int64_t tail = for_each_chunk(n, [&](int64_t j, int c) {
+          Vec v[P];
           IO::load(p + j, v);
           for (int q = 0; q < P; ++q) {
-            add_exact(sx.sum[0][q], sx.err[0][q], v[q]);
-            max_v = at::vec::maximum(max_v, v[q].abs());
+            add_exact(sx.sum[0][c + q], sx.err[0][c + q], v[q]);
+            max_v[c + q] = at::vec::maximum(max_v[c + q], v[q].abs());
           }
-        }
-        for (; j < n; ++j) {
+        });
+        for (int64_t j = tail; j < n; ++j) {
           const acc_t a = static_cast<acc_t>(p[j]);
           sx.tail[0] += a;
           max_abs = std::max(max_abs, std::abs(a));
         }
       }
+      for (const auto& m : max_v) max_abs = std::max(max_abs, max_lane(m));
       const double count = static_cast<double>((blk.o1 - blk.o0) * n);
       const double sum_x = sx.total(0);
-      const acc_t centre = exact_centre<acc_t>(sum_x / count, std::max(max_abs, max_lane(max_v)));
+      const acc_t centre = exact_centre<acc_t>(sum_x / count, max_abs);
       const Vec cv(centre);
       Sums<1> sd;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
         const T* p = x + (o * C + k) * I + blk.s0;
-        int64_t j = 0;
-        for (; j + K <= n; j += K) {
+        const int64_t tail = for_each_chunk(n, [&](int64_t j, int c) {
+          Vec v[P];
           IO::load(p + j, v);
           for (int q = 0; q < P; ++q) {
             const Vec d = v[q] - cv;
-            add_exact_nonnegative(sd.sum[0][q], sd.err[0][q], d * d);
+            add_exact_nonnegative(sd.sum[0][c + q], sd.err[0][c + q], d * d);
           }
-        }
-        for (; j < n; ++j) {
+        });
+        for (int64_t j = tail; j < n; ++j) {
           const double d = static_cast<double>(static_cast<acc_t>(p[j]) - centre);
           sd.tail[0] += d * d;
         }
@@ -318,88 +364,70 @@ struct Kernels {
       store_moments(out, k * out.per + blk.slot, count, sum_x, centre, sd.total(0));
       return;
     }
-    // Rows: a tile of one chunk of channels runs down the block's rows with its
-    // accumulators in registers; leftover channels one by one.
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     const double count = static_cast<double>(blk.o1 - blk.o0);
-    double sum_x[kColumnBlock], sum_d2[kColumnBlock];
+    ColumnSums sx(nc);
     alignas(64) acc_t max_abs[kColumnBlock];
     alignas(64) acc_t centre[kColumnBlock];
-    const T* base = x + c0;
-    int64_t j = 0;
-    for (; j + K <= nc; j += K) {
-      Vec s[P], r[P], m[P];
-      for (int q = 0; q < P; ++q) s[q] = r[q] = m[q] = Vec(acc_t(0));
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        IO::load(base + o * C + j, v);
+    std::fill(max_abs, max_abs + nc, acc_t(0));
+    Vec v[P];
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const T* row = x + o * C + c0;
+      for (int64_t j = 0; j < vec_end; j += K) {
+        IO::load(row + j, v);
         for (int q = 0; q < P; ++q) {
-          add_exact(s[q], r[q], v[q]);
-          m[q] = at::vec::maximum(m[q], v[q].abs());
+          const int64_t jq = j + q * W;
+          sx.add(jq, v[q]);
+          at::vec::maximum(Vec::loadu(max_abs + jq), v[q].abs()).store(max_abs + jq);
         }
       }
-      for (int q = 0; q < P; ++q) {
-        lanes_to_double(s[q], r[q], sum_x + j + q * W);
-        m[q].store(max_abs + j + q * W);
+      for (int64_t j = vec_end; j < nc; ++j) {
+        const acc_t a = static_cast<acc_t>(row[j]);
+        sx.add(j, a);
+        max_abs[j] = std::max(max_abs[j], std::abs(a));
       }
     }
-    for (; j < nc; ++j) {
-      acc_t s = 0, r = 0, m = 0;
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const acc_t a = static_cast<acc_t>(base[o * C + j]);
-        add_exact(s, r, a);
-        m = std::max(m, std::abs(a));
-      }
-      sum_x[j] = static_cast<double>(s) + static_cast<double>(r);
-      max_abs[j] = m;
-    }
-    for (j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sum_x[j] / count, max_abs[j]);
-    for (j = 0; j + K <= nc; j += K) {
-      Vec s[P], r[P], cv[P];
-      for (int q = 0; q < P; ++q) {
-        s[q] = r[q] = Vec(acc_t(0));
-        cv[q] = Vec::loadu(centre + j + q * W);
-      }
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        IO::load(base + o * C + j, v);
+    for (int64_t j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sx.value(j) / count, max_abs[j]);
+    ColumnSums sd(nc);
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const T* row = x + o * C + c0;
+      for (int64_t j = 0; j < vec_end; j += K) {
+        IO::load(row + j, v);
         for (int q = 0; q < P; ++q) {
-          const Vec d = v[q] - cv[q];
-          add_exact_nonnegative(s[q], r[q], d * d);
+          const int64_t jq = j + q * W;
+          const Vec d = v[q] - Vec::loadu(centre + jq);
+          sd.add_nonnegative(jq, d * d);
         }
       }
-      for (int q = 0; q < P; ++q) lanes_to_double(s[q], r[q], sum_d2 + j + q * W);
-    }
-    for (; j < nc; ++j) {
-      acc_t s = 0, r = 0;
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const acc_t d = static_cast<acc_t>(base[o * C + j]) - centre[j];
-        add_exact_nonnegative(s, r, d * d);
+      for (int64_t j = vec_end; j < nc; ++j) {
+        const acc_t d = static_cast<acc_t>(row[j]) - centre[j];
+        add_exact_nonnegative(sd.sum[j], sd.err[j], d * d);
       }
-      sum_d2[j] = static_cast<double>(s) + static_cast<double>(r);
     }
-    for (j = 0; j < nc; ++j) store_moments(out, (c0 + j) * out.per + blk.slot, count, sum_x[j], centre[j], sum_d2[j]);
+    for (int64_t j = 0; j < nc; ++j)
+      store_moments(out, (c0 + j) * out.per + blk.slot, count, sx.value(j), centre[j], sd.value(j));
   }
 
   // Exact sum(dy) and sum(dy * (x - mean)) of one block: partial slot(s) in `out`.
   static void sums_block(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
                          Partials& out) {
     const int64_t C = e.channels, I = e.inner;
-    Vec xv[P], dv[P];
     if (I > 1) {
-      const int64_t k = blk.channel;
+      const int64_t k = blk.channel, n = blk.s1 - blk.s0;
       const Vec m(mean[k]);
       Sums<2> st;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const int64_t off = (o * C + k) * I;
-        int64_t j = blk.s0;
-        for (; j + K <= blk.s1; j += K) {
+        const int64_t off = (o * C + k) * I + blk.s0;
+        const int64_t tail = for_each_chunk(n, [&](int64_t j, int c) {
+          Vec xv[P], dv[P];
           IO::load(dy + off + j, dv);
           IO::load(x + off + j, xv);
           for (int q = 0; q < P; ++q) {
-            add_exact(st.sum[0][q], st.err[0][q], dv[q]);
-            add_exact(st.sum[1][q], st.err[1][q], dv[q] * (xv[q] - m));
+            add_exact(st.sum[0][c + q], st.err[0][c + q], dv[q]);
+            add_exact(st.sum[1][c + q], st.err[1][c + q], dv[q] * (xv[q] - m));
           }
-        }
-        for (; j < blk.s1; ++j) {
+        });
+        for (int64_t j = tail; j < n; ++j) {
           const acc_t d = static_cast<acc_t>(dy[off + j]);
           st.tail[0] += d;
           st.tail[1] += static_cast<double>(d * (static_cast<acc_t>(x[off + j]) - mean[k]));
@@ -410,45 +438,30 @@ struct Kernels {
       out.b[slot] = st.total(1);
       return;
     }
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
-    double sd[kColumnBlock], sx[kColumnBlock];
-    int64_t j = 0;
-    for (; j + K <= nc; j += K) {
-      Vec s[P], sr[P], t[P], tr[P], m[P];
-      for (int q = 0; q < P; ++q) {
-        s[q] = sr[q] = t[q] = tr[q] = Vec(acc_t(0));
-        m[q] = Vec::loadu(mean + c0 + j + q * W);
-      }
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const int64_t off = o * C + c0 + j;
-        IO::load(dy + off, dv);
-        IO::load(x + off, xv);
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    ColumnSums sd(nc), sx(nc);
+    Vec xv[P], dv[P];
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const int64_t off = o * C + c0;
+      for (int64_t j = 0; j < vec_end; j += K) {
+        IO::load(dy + off + j, dv);
+        IO::load(x + off + j, xv);
         for (int q = 0; q < P; ++q) {
-          add_exact(s[q], sr[q], dv[q]);
-          add_exact(t[q], tr[q], dv[q] * (xv[q] - m[q]));
+          const int64_t jq = j + q * W;
+          sd.add(jq, dv[q]);
+          sx.add(jq, dv[q] * (xv[q] - Vec::loadu(mean + c0 + jq)));
         }
       }
-      for (int q = 0; q < P; ++q) {
-        lanes_to_double(s[q], sr[q], sd + j + q * W);
-        lanes_to_double(t[q], tr[q], sx + j + q * W);
+      for (int64_t j = vec_end; j < nc; ++j) {
+        const acc_t d = static_cast<acc_t>(dy[off + j]);
+        sd.add(j, d);
+        sx.add(j, d * (static_cast<acc_t>(x[off + j]) - mean[c0 + j]));
       }
     }
-    for (; j < nc; ++j) {
-      acc_t s = 0, sr = 0, t = 0, tr = 0;
-      const acc_t m = mean[c0 + j];
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const int64_t off = o * C + c0 + j;
-        const acc_t d = static_cast<acc_t>(dy[off]);
-        add_exact(s, sr, d);
-        add_exact(t, tr, d * (static_cast<acc_t>(x[off]) - m));
-      }
-      sd[j] = static_cast<double>(s) + static_cast<double>(sr);
-      sx[j] = static_cast<double>(t) + static_cast<double>(tr);
-    }
-    for (j = 0; j < nc; ++j) {
+    for (int64_t j = 0; j < nc; ++j) {
       const int64_t slot = (c0 + j) * out.per + blk.slot;
-      out.a[slot] = sd[j];
-      out.b[slot] = sx[j];
+      out.a[slot] = sd.value(j);
+      out.b[slot] = sx.value(j);
     }
   }
 
