@@ -82,6 +82,33 @@ def test_float_and_bfloat16_modules(dtype):
     torch.testing.assert_close(ours.running_var, ref.running_var, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_half_precision_model_trains(dtype, channels_last):
+    """A model cast to bfloat16/float16 (half parameters, float32 batch
+    statistics) trains: gradients match torch's in the parameters' dtype."""
+    ref = torch.nn.BatchNorm2d(8).to(dtype)
+    ours = bn_nn.BatchNorm2d(8).to(dtype)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 8, 6, 6, generator=g).to(dtype)
+    dy = torch.randn(4, 8, 6, 6, generator=g).to(dtype)
+    if channels_last:
+        x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
+    grads = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_()
+        grads.append(torch.autograd.grad(m(xi), [xi, m.weight, m.bias], dy))
+    for a, b in zip(grads[1], grads[0]):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=0.05)
+    f = torch_bn_grad.BatchNormFunction.apply
+    xi = x.clone().requires_grad_()
+    w, b = ours.weight, ours.bias
+    dx, dw, db = torch.autograd.grad(f(xi, w, b, None, None, 1e-5, "NCX"), [xi, w, b], dy)
+    assert dw.dtype == db.dtype == dtype
+    torch.testing.assert_close(dx.float(), grads[0][0].float(), atol=0.1, rtol=0.05)
+
+
 def test_modules_are_torch_batchnorms():
     m = bn_nn.BatchNorm2d(3)
     assert isinstance(m, torch.nn.modules.batchnorm._BatchNorm)

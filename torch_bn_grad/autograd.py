@@ -44,6 +44,7 @@ class BatchNormFunction(torch.autograd.Function):
             variance if variance is not None else variance_used,
         )
         ctx.training = mean is None
+        ctx.param_dtype = next((t.dtype for t in (gamma, beta) if t is not None), None)
         ctx.epsilon = epsilon
         ctx.data_format = data_format
         return dst
@@ -60,9 +61,10 @@ class BatchNormFunction(torch.autograd.Function):
                     src, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format
                 )
             diff_src, diff_gamma, diff_beta = ops.batch_norm_backward(
-                src, grad_dst, mean, variance, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format,
-                training=True, output_mask=(need_src, need_gamma, need_beta),
+                src, grad_dst, mean, variance, ops._in_stats_dtype(gamma, mean), epsilon=ctx.epsilon,
+                data_format=ctx.data_format, training=True, output_mask=(need_src, need_gamma, need_beta),
             )
+            diff_gamma, diff_beta = (ops._to_dtype(t, ctx.param_dtype) for t in (diff_gamma, diff_beta))
             return diff_src, diff_gamma, diff_beta, None, None, None, None
         diff_src, diff_gamma, diff_beta = ops.batch_norm_backward(
             src, grad_dst, mean, variance, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format,

@@ -182,6 +182,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(src, gamma, mean_used, variance_used)
     ctx.batch_statistics = mean is None
     ctx.has_gamma = gamma is not None
+    ctx.param_dtype = next((t.dtype for t in (gamma, beta) if t is not None), None)
     ctx.epsilon = epsilon
     ctx.data_format = data_format
 
@@ -193,9 +194,10 @@ def _forward_backward(ctx, grad_dst, grad_mean, grad_variance):
     grad_dst = _zeros_if_none(grad_dst, src)
     mask = (need_src, need_gamma or (frozen and need_variance), need_beta or (frozen and need_mean))
     diff_src, diff_gamma, diff_beta = batch_norm_backward(
-        src, grad_dst, mean, variance, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format,
-        training=ctx.batch_statistics, output_mask=mask,
+        src, grad_dst, mean, variance, _in_stats_dtype(gamma, mean), epsilon=ctx.epsilon,
+        data_format=ctx.data_format, training=ctx.batch_statistics, output_mask=mask,
     )
+    diff_gamma, diff_beta = (_to_dtype(t, ctx.param_dtype) for t in (diff_gamma, diff_beta))
     grad_mean_in = grad_variance_in = None
     if ctx.batch_statistics:
         pc = _PerChannel(src, mean, ctx.data_format)
@@ -222,6 +224,17 @@ def _forward_backward(ctx, grad_dst, grad_mean, grad_variance):
         None,
         None,
     )
+
+
+def _in_stats_dtype(gamma: Optional[Tensor], stats: Tensor) -> Optional[Tensor]:
+    """gamma in the statistics' dtype: half-precision parameters (a model cast
+    with ``.to(torch.bfloat16)``) meet float32 batch statistics in training."""
+    return gamma.to(stats.dtype) if gamma is not None and gamma.dtype != stats.dtype else gamma
+
+
+def _to_dtype(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]:
+    """A parameter gradient back in its parameter's dtype."""
+    return t.to(dtype) if t is not None and dtype is not None else t
 
 
 def _frozen_statistics_grads(
