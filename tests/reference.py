@@ -13,6 +13,10 @@ from torch import Tensor
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 HALF_TYPES = (torch.float16, torch.bfloat16)
 
+# The devices that device-generic tests run on (the `device` fixture, conftest.py):
+# CUDA is added only where it is available, so a CPU-only run generates no CUDA cases.
+DEVICES = ("cpu",) + (("cuda",) if torch.cuda.is_available() else ())
+
 # Tolerances of a result in `dtype` against the float64 reference (outputs are O(1)).
 TOLERANCES = {
     torch.float64: dict(atol=1e-10, rtol=1e-10),
@@ -121,8 +125,13 @@ class Case:
     def __str__(self) -> str:
         return f"{self.shape}-{str(self.dtype)[6:]}-{self.data_format}-{self.layout}"
 
-    def make(self, generator: torch.Generator, scale: float = 1.0, offset: float = 0.0) -> Tensor:
-        """A tensor of this case's shape, dtype and memory layout."""
+    def make(
+        self, generator: torch.Generator, scale: float = 1.0, offset: float = 0.0, device: str = "cpu"
+    ) -> Tensor:
+        """A tensor of this case's shape, dtype and memory layout on `device`.
+
+        The values are drawn on the CPU, so they are the same on every device.
+        """
         if self.layout == "transposed":
             t = torch.randn(tuple(reversed(self.shape)), generator=generator, dtype=torch.float64)
             t = t.permute(*reversed(range(len(self.shape))))
@@ -131,24 +140,24 @@ class Case:
         t = t * scale + offset
         if self.layout == "channels_last":
             fmt = torch.channels_last if len(self.shape) == 4 else torch.channels_last_3d
-            return t.to(dtype=self.dtype, memory_format=fmt)
+            return t.to(device=device, dtype=self.dtype, memory_format=fmt)
         if self.layout == "sliced":
-            return _sliced_copy(t, self.dtype)
-        return t.to(self.dtype)  # keeps a transposed layout's strides
+            return _sliced_copy(t, self.dtype, device)
+        return t.to(device=device, dtype=self.dtype)  # keeps a transposed layout's strides
 
-    def params(self, generator: torch.Generator):
-        """(gamma, beta, running mean, running var) of the parameter dtype."""
+    def params(self, generator: torch.Generator, device: str = "cpu"):
+        """(gamma, beta, running mean, running var) of the parameter dtype, on `device`."""
         c, dt = self.channels, stats_dtype(self.dtype)
-        gamma = (torch.rand(c, generator=generator, dtype=torch.float64) + 0.5).to(dt)
-        beta = torch.randn(c, generator=generator, dtype=torch.float64).to(dt)
-        mean = (torch.randn(c, generator=generator, dtype=torch.float64) * 0.1).to(dt)
-        var = (torch.rand(c, generator=generator, dtype=torch.float64) + 0.5).to(dt)
-        return gamma, beta, mean, var
+        gamma = torch.rand(c, generator=generator, dtype=torch.float64) + 0.5
+        beta = torch.randn(c, generator=generator, dtype=torch.float64)
+        mean = torch.randn(c, generator=generator, dtype=torch.float64) * 0.1
+        var = torch.rand(c, generator=generator, dtype=torch.float64) + 0.5
+        return tuple(t.to(device=device, dtype=dt) for t in (gamma, beta, mean, var))
 
 
-def _sliced_copy(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """`t` as every other element of a larger buffer (not dense)."""
-    big = torch.empty(*t.shape[:-1], t.shape[-1] * 2, dtype=dtype)
+def _sliced_copy(t: Tensor, dtype: torch.dtype, device: str) -> Tensor:
+    """`t` as every other element of a larger buffer on `device` (not dense)."""
+    big = torch.empty(*t.shape[:-1], t.shape[-1] * 2, dtype=dtype, device=device)
     view = big[..., ::2]
     view.copy_(t)
     return view
