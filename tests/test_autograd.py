@@ -1,6 +1,6 @@
 """gradcheck and gradgradcheck in float64 with non-uniform upstream gradients:
 BatchNormFunction and the operators' own autograd formulas, both modes, with
-and without gamma/beta, both data formats, ranks 2 to 5."""
+and without gamma/beta, both data formats, ranks 2 to 5, on every device."""
 
 from __future__ import annotations
 
@@ -17,17 +17,23 @@ GRID = list(itertools.product((True, False), ("NCX", "NXC"), SHAPES, (True, Fals
 IDS = [f"{'training' if t else 'frozen'}-{f}-rank{r}-{'affine' if a else 'plain'}" for t, f, r, a in GRID]
 
 
-def _inputs(training, data_format, rank, affine, seed=0):
+def _random(g: torch.Generator, shape, device: str, *, uniform: bool = False, requires_grad: bool = False):
+    """float64 values drawn on the CPU (the same on every device), on `device`."""
+    draw = torch.rand if uniform else torch.randn
+    return draw(shape, generator=g, dtype=torch.float64).to(device).requires_grad_(requires_grad)
+
+
+def _inputs(training, data_format, rank, affine, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     shape = SHAPES[rank]
     c = shape[1] if data_format == "NCX" else shape[-1]
-    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
-    gamma = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5).requires_grad_() if affine else None
-    beta = torch.randn(c, generator=g, dtype=torch.float64).requires_grad_() if affine else None
+    x = (_random(g, shape, device) * 2 + 1).requires_grad_()
+    gamma = (_random(g, c, device, uniform=True) + 0.5).requires_grad_() if affine else None
+    beta = _random(g, c, device, requires_grad=True) if affine else None
     mean = var = None
     if not training:
-        mean = torch.randn(c, generator=g, dtype=torch.float64).requires_grad_()
-        var = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+        mean = _random(g, c, device, requires_grad=True)
+        var = (_random(g, c, device, uniform=True) + 0.5).requires_grad_()
     return x, gamma, beta, mean, var, g
 
 
@@ -38,9 +44,9 @@ def _weighted(fn, weights):
 
 
 @pytest.mark.parametrize("training,data_format,rank,affine", GRID, ids=IDS)
-def test_batch_norm_function(training, data_format, rank, affine):
-    x, gamma, beta, mean, var, g = _inputs(training, data_format, rank, affine)
-    weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
+def test_batch_norm_function(training, data_format, rank, affine, device):
+    x, gamma, beta, mean, var, g = _inputs(training, data_format, rank, affine, device)
+    weights = _random(g, x.shape, device)
 
     def fn(x, gamma, beta, mean, var):
         return torch_bn_grad.BatchNormFunction.apply(x, gamma, beta, mean, var, 1e-5, data_format)
@@ -48,13 +54,13 @@ def test_batch_norm_function(training, data_format, rank, affine):
     args = (x, gamma, beta, mean, var)
     f = _weighted(fn, weights)
     assert gradcheck(f, args)
-    grad_out = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    grad_out = _random(g, x.shape, device)
     assert gradgradcheck(f, args, grad_outputs=(grad_out,))
 
 
 @pytest.mark.parametrize("training,data_format,rank,affine", GRID, ids=IDS)
-def test_forward_operator(training, data_format, rank, affine):
-    x, gamma, beta, mean, var, g = _inputs(training, data_format, rank, affine, seed=1)
+def test_forward_operator(training, data_format, rank, affine, device):
+    x, gamma, beta, mean, var, g = _inputs(training, data_format, rank, affine, device, seed=1)
 
     def fn(x, gamma, beta, mean, var):
         return torch_bn_grad.batch_norm_forward(x, gamma, beta, mean, var, data_format=data_format)
@@ -62,19 +68,19 @@ def test_forward_operator(training, data_format, rank, affine):
     args = (x, gamma, beta, mean, var)
     assert gradcheck(fn, args)
     outs = fn(*args)
-    grads = tuple(torch.randn(o.shape, generator=g, dtype=torch.float64) for o in outs)
+    grads = tuple(_random(g, o.shape, device) for o in outs)
     assert gradgradcheck(fn, args, grad_outputs=grads)
 
 
 @pytest.mark.parametrize("training,data_format,rank,affine", GRID, ids=IDS)
-def test_backward_operator(training, data_format, rank, affine):
+def test_backward_operator(training, data_format, rank, affine, device):
     """The backward is itself differentiable in every input (mean and variance
     are independent inputs here, whatever `training` says of them)."""
-    x, gamma, _, _, _, g = _inputs(training, data_format, rank, affine, seed=2)
+    x, gamma, _, _, _, g = _inputs(training, data_format, rank, affine, device, seed=2)
     dims = [d for d in range(x.dim()) if d != (1 if data_format == "NCX" else x.dim() - 1)]
     mean = (x.detach().mean(dims) + 0.1).requires_grad_()
     var = (x.detach().var(dims, unbiased=False) + 0.2).requires_grad_()
-    dy = torch.randn(x.shape, generator=g, dtype=torch.float64).requires_grad_()
+    dy = _random(g, x.shape, device, requires_grad=True)
 
     def fn(x, dy, mean, var, gamma):
         return torch_bn_grad.batch_norm_backward(
@@ -85,15 +91,15 @@ def test_backward_operator(training, data_format, rank, affine):
     args = (x, dy, mean, var, gamma)
     assert gradcheck(fn, args)
     outs = fn(*args)
-    grads = tuple(torch.randn(o.shape, generator=g, dtype=torch.float64) for o in outs)
+    grads = tuple(_random(g, o.shape, device) for o in outs)
     assert gradgradcheck(fn, args, grad_outputs=grads)
 
 
-def test_backward_operator_with_partial_mask():
-    x, gamma, _, _, _, g = _inputs(True, "NCX", 3, True, seed=3)
+def test_backward_operator_with_partial_mask(device):
+    x, gamma, _, _, _, g = _inputs(True, "NCX", 3, True, device, seed=3)
     mean = x.detach().mean((0, 2)).requires_grad_()
     var = (x.detach().var((0, 2), unbiased=False) + 0.1).requires_grad_()
-    dy = torch.randn(x.shape, generator=g, dtype=torch.float64).requires_grad_()
+    dy = _random(g, x.shape, device, requires_grad=True)
     for mask in ((True, False, False), (False, True, False), (False, False, True), (True, True, False)):
         def fn(x, dy, mean, var, gamma, mask=mask):
             return tuple(o for o in torch_bn_grad.batch_norm_backward(
@@ -101,12 +107,13 @@ def test_backward_operator_with_partial_mask():
         assert gradcheck(fn, (x, dy, mean, var, gamma))
 
 
-def test_function_matches_torch_gradients():
+def test_function_matches_torch_gradients(device):
+    """Against torch's own batch norm on the same device (its native CUDA kernels on CUDA)."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(6, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(4, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
-    dy = torch.randn(6, 4, 5, generator=g, dtype=torch.float64)
+    x = _random(g, (6, 4, 5), device, requires_grad=True)
+    w = _random(g, 4, device, uniform=True, requires_grad=True)
+    b = _random(g, 4, device, requires_grad=True)
+    dy = _random(g, (6, 4, 5), device)
     ours = torch.autograd.grad(torch_bn_grad.BatchNormFunction.apply(x, w, b, None, None, 1e-5, "NCX"), (x, w, b), dy)
     ref = torch.autograd.grad(torch.nn.functional.batch_norm(x, None, None, w, b, True), (x, w, b), dy)
     for a, r in zip(ours, ref):

@@ -47,9 +47,10 @@ def _model(momentum: Optional[float] = 0.1) -> torch.nn.Module:
     return torch_bn_grad.convert_batchnorm(model)
 
 
-def _inputs(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(batch: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, *SPATIAL, generator=g) * 2 + 0.5, torch.randint(0, 5, (batch,), generator=g)
+    x, target = torch.randn(batch, *SPATIAL, generator=g) * 2 + 0.5, torch.randint(0, 5, (batch,), generator=g)
+    return x.to(device), target.to(device)
 
 
 def _step(run, model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor):
@@ -71,9 +72,9 @@ def _assert_same_state(model: torch.nn.Module, reference: torch.nn.Module) -> No
         torch.testing.assert_close(t, ref, msg=lambda m: f"{name}: {m}")
 
 
-def _assert_steps_match(compiled, model, reference, batches) -> None:
+def _assert_steps_match(compiled, model, reference, batches, device: str = "cpu") -> None:
     for seed, batch in enumerate(batches):
-        x, target = _inputs(batch, seed)
+        x, target = _inputs(batch, seed, device)
         out, grads = _step(compiled, model, x, target)
         ref_out, ref_grads = _step(reference, reference, x, target)
         torch.testing.assert_close(out, ref_out)
@@ -119,12 +120,12 @@ def test_operators_trace_with_symbolic_sizes(form):
 @pytest.mark.parametrize(
     "training,momentum", [(True, 0.1), (False, 0.1), (True, None)], ids=["train", "eval", "train-momentum-none"]
 )
-def test_compile_fullgraph_matches_eager(training, momentum):
-    model = _model(momentum).train(training)
+def test_compile_fullgraph_matches_eager(training, momentum, device):
+    model = _model(momentum).to(device).train(training)
     reference = copy.deepcopy(model)
     backend = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    _assert_steps_match(compiled, model, reference, batches=[4, 4, 4])
+    _assert_steps_match(compiled, model, reference, batches=[4, 4, 4], device=device)
     assert backend.frame_count == 1, "recompiled across steps"
     assert not counters["graph_break"]
     if training:

@@ -1,4 +1,5 @@
-"""Module parity with torch.nn.BatchNorm1d/2d/3d, state_dicts, convert_batchnorm."""
+"""Module parity with torch.nn.BatchNorm1d/2d/3d on every device (on CUDA
+against torch's native CUDA modules), state_dicts, convert_batchnorm."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ CONFIGS = {
 }
 
 
-def _pair(kind, config):
+def _pair(kind, config, device):
     torch_cls, our_cls, shape = MODULES[kind]
-    ref = torch_cls(shape[1], **CONFIGS[config]).double()
+    ref = torch_cls(shape[1], **CONFIGS[config]).to(device, torch.float64)
     if ref.affine:
         with torch.no_grad():
             ref.weight.uniform_(0.5, 1.5)
             ref.bias.normal_()
-    ours = our_cls(shape[1], **CONFIGS[config]).double()
+    ours = our_cls(shape[1], **CONFIGS[config]).to(device, torch.float64)
     ours.load_state_dict(ref.state_dict())
     return ref, ours, shape
 
@@ -43,15 +44,15 @@ PARITY = [(k, c, cl) for k, c in itertools.product(MODULES, CONFIGS) for cl in (
 
 
 @pytest.mark.parametrize("kind,config,channels_last", PARITY)
-def test_training_steps_then_eval_match_torch(kind, config, channels_last):
-    ref, ours, shape = _pair(kind, config)
+def test_training_steps_then_eval_match_torch(kind, config, channels_last, device):
+    ref, ours, shape = _pair(kind, config, device)
     fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     g = torch.Generator().manual_seed(0)
     for step in range(4):
-        x = torch.randn(shape, generator=g, dtype=torch.float64) * (step + 1) + step
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * (step + 1) + step).to(device)
         if channels_last:
             x = x.to(memory_format=fmt)
-        dy = torch.randn(shape, generator=g, dtype=torch.float64)
+        dy = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
         xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_r, out_o = ref(xr), ours(xo)
         torch.testing.assert_close(out_o, out_r)
@@ -64,7 +65,7 @@ def test_training_steps_then_eval_match_torch(kind, config, channels_last):
             torch.testing.assert_close(bo, br, msg=f"buffer {name} after step {step}")
     ref.eval()
     ours.eval()
-    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
     xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_r, out_o = ref(xr), ours(xo)
     torch.testing.assert_close(out_o, out_r)
@@ -74,10 +75,10 @@ def test_training_steps_then_eval_match_torch(kind, config, channels_last):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float_and_bfloat16_modules(dtype):
-    ref = torch.nn.BatchNorm2d(8).to(dtype)
-    ours = bn_nn.BatchNorm2d(8).to(dtype)
-    x = torch.randn(4, 8, 6, 6).to(dtype)
+def test_float_and_bfloat16_modules(dtype, device):
+    ref = torch.nn.BatchNorm2d(8).to(device, dtype)
+    ours = bn_nn.BatchNorm2d(8).to(device, dtype)
+    x = torch.randn(4, 8, 6, 6).to(device, dtype)
     torch.testing.assert_close(ours(x), ref(x), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
     torch.testing.assert_close(ours.running_var, ref.running_var, atol=1e-2, rtol=1e-2)
 

@@ -1,6 +1,6 @@
 """Property tests: batch_norm_forward and batch_norm_backward against the
 float64 reference over random ranks, shapes, data formats, broadcast patterns,
-memory layouts and dtypes."""
+memory layouts and dtypes, on every device."""
 
 from __future__ import annotations
 
@@ -30,24 +30,24 @@ class Problem:
     sliced_dim: int
     seed: int
 
-    def make(self, g: torch.Generator, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
-        """A tensor of the problem's shape, dtype and layout."""
+    def make(self, g: torch.Generator, scale: float = 1.0, offset: float = 0.0, device: str = "cpu") -> torch.Tensor:
+        """A tensor of the problem's shape, dtype and layout on `device` (values drawn on the CPU)."""
         if self.layout == "permuted":
             stored = [self.shape[p] for p in self.permutation]
             t = torch.randn(stored, generator=g, dtype=torch.float64) * scale + offset
             inverse = sorted(range(len(self.permutation)), key=self.permutation.__getitem__)
-            return t.to(self.dtype).permute(inverse)
+            return t.to(device, self.dtype).permute(inverse)
         if self.layout == "sliced":
             big = list(self.shape)
             big[self.sliced_dim] *= 2
             t = torch.randn(big, generator=g, dtype=torch.float64) * scale + offset
             every_other = (slice(None),) * self.sliced_dim + (slice(None, None, 2),)
-            return t.to(self.dtype)[every_other]
+            return t.to(device, self.dtype)[every_other]
         t = torch.randn(self.shape, generator=g, dtype=torch.float64) * scale + offset
         if self.layout == "channels_last":
             fmt = torch.channels_last if len(self.shape) == 4 else torch.channels_last_3d
-            return t.to(dtype=self.dtype, memory_format=fmt)
-        return t.to(self.dtype)
+            return t.to(device=device, dtype=self.dtype, memory_format=fmt)
+        return t.to(device, self.dtype)
 
     def reduced_count(self, x: torch.Tensor) -> int:
         bshape = broadcast_shape(x, self.data_format, self.stats_shape)
@@ -80,10 +80,16 @@ def problems(draw) -> Problem:
     )
 
 
-def _parameters(p: Problem, g: torch.Generator, with_gamma: bool, with_beta: bool):
-    dt = stats_dtype(p.dtype)
-    gamma = (torch.rand(p.stats_shape, generator=g, dtype=torch.float64) + 0.5).to(dt) if with_gamma else None
-    beta = torch.randn(p.stats_shape, generator=g, dtype=torch.float64).to(dt) if with_beta else None
+def _per_channel(p: Problem, g: torch.Generator, device: str, *, uniform: bool, scale: float, offset: float):
+    """A per-channel tensor of the statistics' shape and dtype on `device` (values drawn on the CPU)."""
+    draw = torch.rand if uniform else torch.randn
+    t = draw(p.stats_shape, generator=g, dtype=torch.float64) * scale + offset
+    return t.to(device, stats_dtype(p.dtype))
+
+
+def _parameters(p: Problem, g: torch.Generator, with_gamma: bool, with_beta: bool, device: str):
+    gamma = _per_channel(p, g, device, uniform=True, scale=1.0, offset=0.5) if with_gamma else None
+    beta = _per_channel(p, g, device, uniform=False, scale=1.0, offset=0.0) if with_beta else None
     return gamma, beta
 
 
@@ -93,17 +99,17 @@ def _stats_tolerance(dtype: torch.dtype) -> torch.dtype:
 
 @SETTINGS
 @given(p=problems(), frozen=st.booleans(), with_gamma=st.booleans(), with_beta=st.booleans())
-def test_forward_matches_reference(p, frozen, with_gamma, with_beta):
+def test_forward_matches_reference(device, p, frozen, with_gamma, with_beta):
     g = torch.Generator().manual_seed(p.seed)
-    x = p.make(g, scale=2.0, offset=0.5)
-    gamma, beta = _parameters(p, g, with_gamma, with_beta)
+    x = p.make(g, scale=2.0, offset=0.5, device=device)
+    gamma, beta = _parameters(p, g, with_gamma, with_beta, device)
     mean = var = None
     if frozen:
-        dt = stats_dtype(p.dtype)
-        mean = (torch.randn(p.stats_shape, generator=g, dtype=torch.float64) * 0.1).to(dt)
-        var = (torch.rand(p.stats_shape, generator=g, dtype=torch.float64) + 0.5).to(dt)
+        mean = _per_channel(p, g, device, uniform=False, scale=0.1, offset=0.0)
+        var = _per_channel(p, g, device, uniform=True, scale=1.0, offset=0.5)
     elif len(p.stats_shape) == x.dim() and gamma is None and beta is None:
-        gamma = torch.ones(p.stats_shape, dtype=stats_dtype(p.dtype))  # the form needs a per-channel tensor
+        # the form needs a per-channel tensor
+        gamma = torch.ones(p.stats_shape, dtype=stats_dtype(p.dtype), device=device)
 
     dst, m, v = torch_bn_grad.batch_norm_forward(x, gamma, beta, mean, var, data_format=p.data_format)
     ref_dst, ref_m, ref_v = reference_forward(x, gamma, beta, mean, var, 1e-5, p.data_format)
@@ -117,18 +123,19 @@ def test_forward_matches_reference(p, frozen, with_gamma, with_beta):
 
 @SETTINGS
 @given(p=problems(), training=st.booleans(), with_gamma=st.booleans())
-def test_backward_matches_reference(p, training, with_gamma):
+def test_backward_matches_reference(device, p, training, with_gamma):
     g = torch.Generator().manual_seed(p.seed)
-    x = p.make(g, scale=2.0, offset=0.5)
-    dy = p.make(g)
-    gamma, _ = _parameters(p, g, with_gamma, False)
+    x = p.make(g, scale=2.0, offset=0.5, device=device)
+    dy = p.make(g, device=device)
+    gamma, _ = _parameters(p, g, with_gamma, False, device)
     dt = stats_dtype(p.dtype)
     if training:
-        _, mean, var = reference_forward(x, torch.ones(p.stats_shape), None, None, None, 1e-5, p.data_format)
+        ones = torch.ones(p.stats_shape, device=device)
+        _, mean, var = reference_forward(x, ones, None, None, None, 1e-5, p.data_format)
+        mean, var = mean.to(dt), var.to(dt)
     else:
-        mean = torch.randn(p.stats_shape, generator=g, dtype=torch.float64) * 0.1
-        var = torch.rand(p.stats_shape, generator=g, dtype=torch.float64) + 0.5
-    mean, var = mean.to(dt), var.to(dt)
+        mean = _per_channel(p, g, device, uniform=False, scale=0.1, offset=0.0)
+        var = _per_channel(p, g, device, uniform=True, scale=1.0, offset=0.5)
 
     dx, dg, db = torch_bn_grad.batch_norm_backward(
         x, dy, mean, var, gamma, data_format=p.data_format, training=training
