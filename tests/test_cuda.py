@@ -1,0 +1,135 @@
+"""CUDA only (conftest.py collects this file only where CUDA is available): our
+CUDA operators against our CPU operators on the same inputs, and against
+torch's native CUDA batch norm; the operators run on the current CUDA stream.
+
+The float64 reference checks of the CUDA operators are those of test_ops.py,
+test_properties.py and test_autograd.py, which run on every device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+from torch import Tensor
+
+import torch_bn_grad
+from reference import Case, assert_close, cases, reference_forward
+
+EPS = 1e-5
+CASES = list(cases())
+IDS = [str(c) for c in CASES]
+MODES = ["training", "frozen"]
+
+
+def _inputs(case: Case, device: str, training: bool):
+    """(x, dy, gamma, beta, mean, var) of `case` on `device`, the same values on
+    every device. mean and var are the given statistics when frozen, and in
+    training the batch statistics (float64 reference on the CPU, rounded) that
+    the backward takes."""
+    g = torch.Generator().manual_seed(0)
+    x = case.make(g, scale=2.0, offset=0.5, device=device)
+    dy = case.make(g, device=device)
+    gamma, beta, mean, var = case.params(g, device)
+    if training:
+        _, mean, var = reference_forward(x.cpu().contiguous(), None, None, None, None, EPS, case.data_format)
+        mean, var = mean.to(device, gamma.dtype), var.to(device, gamma.dtype)
+    return x, dy, gamma, beta, mean, var
+
+
+def _run_ours(case: Case, device: str, training: bool):
+    """Our forward and backward: (dst, mean, var, diff_src, diff_gamma, diff_beta)."""
+    x, dy, gamma, beta, mean, var = _inputs(case, device, training)
+    fmt = case.data_format
+    given = (None, None) if training else (mean, var)
+    dst, used_mean, used_var = torch_bn_grad.batch_norm_forward(x, gamma, beta, *given, data_format=fmt)
+    grads = torch_bn_grad.batch_norm_backward(x, dy, mean, var, gamma, data_format=fmt, training=training)
+    return dst, used_mean, used_var, *grads
+
+
+def _assert_outputs_close(actual, expected, case: Case, training: bool) -> None:
+    """Two results of (dst, mean, var, diff_src, diff_gamma, diff_beta), each
+    within test_ops.py's tolerance of the float64 reference: twice that apart.
+    The statistics are compared where they were computed (training)."""
+    dst, mean, var, dx, dg, db = actual
+    ref_dst, ref_mean, ref_var, ref_dx, ref_dg, ref_db = expected
+    stats = torch.float64 if case.dtype == torch.float64 else torch.float32
+    m = ref_dst.numel() // case.channels
+    assert_close(dst, ref_dst, case.dtype, scale=2)
+    if training:
+        assert_close(mean, ref_mean, stats, scale=2)
+        assert_close(var, ref_var, stats, scale=8)
+    assert_close(dx, ref_dx, case.dtype, scale=4)
+    assert_close(dg, ref_dg, case.dtype, scale=2 * m)
+    assert_close(db, ref_db, case.dtype, scale=2 * m)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_matches_cpu(case, mode):
+    training = mode == "training"
+    on_cuda = _run_ours(case, "cuda", training)
+    on_cpu = _run_ours(case, "cpu", training)
+    for t, c in zip(on_cuda, on_cpu):
+        assert t.device.type == "cuda"
+        assert t.dtype == c.dtype and t.shape == c.shape and t.stride() == c.stride()
+    _assert_outputs_close([t.cpu() for t in on_cuda], on_cpu, case, training)
+
+
+def _channels_at_1(t: Tensor, data_format: str) -> Tensor:
+    """`t` viewed as (N, C, *), the only form torch's batch norm takes."""
+    return t if data_format == "NCX" else t.movedim(-1, 1)
+
+
+def _channels_back(t: Tensor, data_format: str) -> Tensor:
+    """The inverse of `_channels_at_1`."""
+    return t if data_format == "NCX" else t.movedim(1, -1)
+
+
+def _run_native(case: Case, device: str, training: bool):
+    """torch's native batch norm (aten.native_batch_norm and its backward) on
+    the inputs of `_run_ours`, as (dst, mean, var, diff_src, diff_gamma, diff_beta)."""
+    x, dy, gamma, beta, mean, var = _inputs(case, device, training)
+    fmt = case.data_format
+    xc, dyc = _channels_at_1(x, fmt), _channels_at_1(dy, fmt)
+    aten = torch.ops.aten
+    running: tuple[Optional[Tensor], Optional[Tensor]] = (None, None) if training else (mean, var)
+    dst, save_mean, save_invstd = aten.native_batch_norm(xc, gamma, beta, *running, training, 0.0, EPS)
+    if training:
+        used = save_mean, (save_invstd.double().pow(-2) - EPS).to(save_mean.dtype)
+        saved = mean, (var.double() + EPS).rsqrt().to(var.dtype)  # the statistics our backward takes
+    else:
+        used, saved = (mean, var), (None, None)
+    dx, dg, db = aten.native_batch_norm_backward(dyc, xc, gamma, *running, *saved, training, EPS, [True] * 3)
+    return _channels_back(dst, fmt), *used, _channels_back(dx, fmt), dg, db
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_matches_torch_native_cuda(case, mode):
+    training = mode == "training"
+    _assert_outputs_close(_run_ours(case, "cuda", training), _run_native(case, "cuda", training), case, training)
+
+
+def test_operators_run_on_the_current_stream():
+    """Work queued on a side stream (a copy held back by a spin) is seen by the
+    operators called on that stream: they launch on the current stream."""
+    g = torch.Generator().manual_seed(1)
+    x_cpu, dy_cpu = torch.randn(64, 32, 64, 64, generator=g), torch.randn(64, 32, 64, 64, generator=g)
+    x, dy = x_cpu.cuda(), dy_cpu.cuda()
+    dst, mean, var = torch_bn_grad.batch_norm_forward(x)
+    expected = (dst, mean, var, *torch_bn_grad.batch_norm_backward(x, dy, mean, var))
+
+    late_x, late_dy = torch.zeros_like(x), torch.zeros_like(dy)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds before the copies land
+        late_x.copy_(x)
+        late_dy.copy_(dy)
+        dst, mean, var = torch_bn_grad.batch_norm_forward(late_x)
+        got = (dst, mean, var, *torch_bn_grad.batch_norm_backward(late_x, late_dy, mean, var))
+    side.synchronize()
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
