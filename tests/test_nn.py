@@ -85,14 +85,14 @@ def test_float_and_bfloat16_modules(dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_half_precision_model_trains(dtype, channels_last):
+def test_half_precision_model_trains(dtype, channels_last, device):
     """A model cast to bfloat16/float16 (half parameters, float32 batch
     statistics) trains: gradients match torch's in the parameters' dtype."""
-    ref = torch.nn.BatchNorm2d(8).to(dtype)
-    ours = bn_nn.BatchNorm2d(8).to(dtype)
+    ref = torch.nn.BatchNorm2d(8).to(device, dtype)
+    ours = bn_nn.BatchNorm2d(8).to(device, dtype)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(4, 8, 6, 6, generator=g).to(dtype)
-    dy = torch.randn(4, 8, 6, 6, generator=g).to(dtype)
+    x = torch.randn(4, 8, 6, 6, generator=g).to(device, dtype)
+    dy = torch.randn(4, 8, 6, 6, generator=g).to(device, dtype)
     if channels_last:
         x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
     grads = []
