@@ -1,6 +1,6 @@
 """Benchmark: torch_bn_grad against torch's native batch norm, side by side.
 
-    python -m torch_bn_grad.bench [--full] [--threads N] [--json FILE] [--plot FILE.png]
+    python -m torch_bn_grad.bench [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module] [--min-run-time S]
 
@@ -10,8 +10,15 @@ bandwidth ours achieves and its percentage of the bandwidth bound. The bound
 is the operator's minimal memory traffic (forward: read src, write dst;
 backward: read src and diff_dst, write diff_src; module forward+backward: both)
 divided by the copy bandwidth measured in the same run on tensors of the same
-size. Run with ``THP_MEM_ALLOC_ENABLE=1`` to let torch's allocator use huge
-pages for the large outputs.
+size, on the same device.
+
+The baseline is ``aten.native_batch_norm`` / ``native_batch_norm_backward``
+for the operator rows and ``torch.nn.BatchNorm*d`` (which takes cuDNN where
+torch picks it) for the module rows. On CUDA, torch.utils.benchmark
+synchronizes the device around each timed block; tensors that fit in the L2
+cache are timed warm, as is the copy that sets the bound. On CPU, run with
+``THP_MEM_ALLOC_ENABLE=1`` to let torch's allocator use huge pages for the
+large outputs.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ QUICK_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (32, 2048, 7, 7), (4096, 10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYOUTS = ("contiguous", "channels_last")
 DIRECTIONS = ("forward", "backward", "module")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Result:
     """One row of the table."""
 
     shape: tuple
+    device: str
     dtype: str
     layout: str
     direction: str
@@ -60,9 +69,38 @@ def _median_ms(fn: Callable[[], object], min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-def copy_bandwidth(numel: int, dtype: torch.dtype, min_run_time: float) -> float:
-    """Bytes per second of a copy between two tensors of `numel` elements."""
-    src = torch.randn(numel).to(dtype)
+def device_problem(device: str) -> Optional[str]:
+    """Why the benchmark cannot run on `device`, or None when it can."""
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is built without CUDA"
+        return f"no CUDA device is visible to torch {torch.__version__} (CUDA {torch.version.cuda})"
+    # A build without a CUDA toolkit registers CPU kernels only; ask the dispatcher.
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("torch_bn_grad::batch_norm_forward", "CUDA"):
+        return ("torch_bn_grad was built without its CUDA kernels (no CUDA toolkit at build time?); "
+                "rebuild it with `pip install --no-build-isolation -e .`")
+    return None
+
+
+def describe_device(device: str) -> str:
+    """The header line: torch's version and what the cases run on."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}), "
+                f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB")
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+            f"kernels {torch_bn_grad.cpu_kernel_isa()}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
+
+
+def _short_device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
+
+
+def copy_bandwidth(numel: int, dtype: torch.dtype, min_run_time: float, device: str = "cpu") -> float:
+    """Bytes per second of a copy between two tensors of `numel` elements on `device`."""
+    src = torch.randn(numel, device=device).to(dtype)
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src), min_run_time)
     return 2 * src.nbytes / (ms * 1e-3)
@@ -78,13 +116,15 @@ def _module_class(dim: int) -> type:
     return {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[dim]
 
 
-def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str):
-    """(native, ours, traffic in bytes) callables for one case."""
-    g = torch.Generator().manual_seed(0)
+def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str, device: str = "cpu"):
+    """(native, ours, traffic in bytes) for one case on `device`: two callables
+    and the operator's minimal memory traffic."""
+    g = torch.Generator(device=device).manual_seed(0)
     c = shape[1]
-    x = _layout(torch.randn(shape, generator=g).to(dtype), layout)
-    dy = _layout(torch.randn(shape, generator=g).to(dtype), layout)
-    w, b = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
+    x = _layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
+    dy = _layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
+    w = torch.rand(c, generator=g, device=device) + 0.5
+    b = torch.randn(c, generator=g, device=device)
     nbytes = x.nbytes
     if direction == "forward":
         native = lambda: torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)  # noqa: E731
@@ -98,8 +138,8 @@ def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str):
             dy, x, w, None, None, save_mean, save_invstd, True, 1e-5, mask)
         ours = lambda: torch_bn_grad.batch_norm_backward(x, dy, mean, var, w)  # noqa: E731
         return native, ours, 3 * nbytes
-    ref_module = _module_class(len(shape))(c).to(dtype)
-    our_module = torch_bn_grad.convert_batchnorm(_module_class(len(shape))(c).to(dtype))
+    ref_module = _module_class(len(shape))(c).to(device, dtype)
+    our_module = torch_bn_grad.convert_batchnorm(_module_class(len(shape))(c).to(device, dtype))
     xg = x.detach().requires_grad_()
 
     def step(module):
@@ -110,8 +150,8 @@ def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str):
     return step(ref_module), step(our_module), 5 * nbytes
 
 
-def run(shapes, dtypes, layouts, directions, min_run_time: float, log=print) -> list[Result]:
-    """Measure every case; prints a row as each finishes."""
+def run(shapes, dtypes, layouts, directions, min_run_time: float, device: str = "cpu", log=print) -> list[Result]:
+    """Measure every case on `device`; prints a row as each finishes."""
     results = []
     log(f"{'shape':>22} {'dtype':>8} {'layout':>13} {'direction':>9} {'native ms':>10} {'ours ms':>9} "
         f"{'speedup':>8} {'GB/s':>7} {'% bound':>8}")
@@ -123,19 +163,19 @@ def run(shapes, dtypes, layouts, directions, min_run_time: float, log=print) -> 
             for s in shape:
                 numel *= s
             if (numel, dtype) not in bandwidth:
-                bandwidth[(numel, dtype)] = copy_bandwidth(numel, dtype, min_run_time)
+                bandwidth[(numel, dtype)] = copy_bandwidth(numel, dtype, min_run_time, device)
             bw = bandwidth[(numel, dtype)]
             for layout in layouts:
                 if layout == "channels_last" and len(shape) < 4:
                     continue
                 for direction in directions:
-                    native, ours, traffic = make_case(shape, dtype, layout, direction)
+                    native, ours, traffic = make_case(shape, dtype, layout, direction, device)
                     native(), ours()  # warm-up
                     native_ms = _median_ms(native, min_run_time)
                     ours_ms = _median_ms(ours, min_run_time)
                     native_ms = min(native_ms, _median_ms(native, min_run_time))
                     gbps = traffic / (ours_ms * 1e-3) / 1e9
-                    r = Result(tuple(shape), dtype_name, layout, direction, round(native_ms, 4),
+                    r = Result(tuple(shape), device, dtype_name, layout, direction, round(native_ms, 4),
                                round(ours_ms, 4), round(native_ms / ours_ms, 3), round(gbps, 2),
                                round(100 * gbps * 1e9 / bw, 1))
                     results.append(r)
@@ -144,7 +184,7 @@ def run(shapes, dtypes, layouts, directions, min_run_time: float, log=print) -> 
     return results
 
 
-def plot(results: list[Result], path: str) -> None:
+def plot(results: list[Result], path: str, device: str = "cpu") -> None:
     """Speedup per case as a horizontal bar chart (needs matplotlib)."""
     import matplotlib
 
@@ -159,16 +199,18 @@ def plot(results: list[Result], path: str) -> None:
     ax.set_yticks(range(len(results)), labels, fontsize=6)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over torch native (median time ratio)")
-    ax.set_title(f"torch_bn_grad vs torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    ax.set_title(f"torch_bn_grad vs torch {torch.__version__} ({_short_device_name(device)})")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m torch_bn_grad.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the cases run (default: cpu)")
     parser.add_argument("--full", action="store_true", help="every ResNet-50 shape plus the 1-D and 3-D cases")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
@@ -176,17 +218,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
     args = parser.parse_args(argv)
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f"--device {args.device}: {problem}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-          f"kernels {torch_bn_grad.cpu_kernel_isa()}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
+    print(describe_device(args.device))
     results = run(FULL_SHAPES if args.full else QUICK_SHAPES, args.dtypes.split(","), args.layouts.split(","),
-                  args.directions.split(","), args.min_run_time)
+                  args.directions.split(","), args.min_run_time, args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.device)
     slower = [r for r in results if r.speedup < 1]
     print(f"{len(results)} cases, median speedup "
           f"{sorted(r.speedup for r in results)[len(results) // 2]:.2f}x, {len(slower)} slower than native")
