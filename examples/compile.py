@@ -9,7 +9,6 @@ loss and accuracy per epoch, and the median training-step time eager vs compiled
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -19,7 +18,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from train import make_model, step_times, synthetic_data
+from train import setup, step_times
 
 
 def timed(fn, *args):
@@ -39,27 +38,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=2048)
-    parser.add_argument("--image-size", type=int, default=24)
-    parser.add_argument("--classes", type=int, default=8)
-    parser.add_argument("--timing-steps", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"torch_bn_grad CPU kernels: {torch_bn_grad.cpu_kernel_isa()}")
-    images, labels = synthetic_data(args.samples, args.classes, args.image_size, g)
-    split = args.samples * 3 // 4
-    train_x, train_y, test_x, test_y = images[:split], labels[:split], images[split:], labels[split:]
-    reference = make_model(args.classes).to(memory_format=torch.channels_last)
+    s = setup(__doc__, default_epochs=2)
+    args, g, reference = s.args, s.generator, s.reference
+    train_x, train_y, test_x, test_y = s.train_x, s.train_y, s.test_x, s.test_y
+    split = len(train_x)
     eager = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference))
     model = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference))
     compiled = torch.compile(model, fullgraph=True)

@@ -14,6 +14,7 @@ import argparse
 import copy
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,9 +97,23 @@ def step_times(model: nn.Module, images, labels, batch: int, steps: int) -> list
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=4)
+@dataclass
+class Setup:
+    """What every example starts from: options, generator, data split, a torch model."""
+
+    args: argparse.Namespace
+    generator: torch.Generator
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    reference: nn.Module
+
+
+def setup(description: str, default_epochs: int) -> Setup:
+    """Parses the examples' common options, seeds, prints the header, builds the data and model."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=default_epochs)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--image-size", type=int, default=24)
@@ -116,9 +131,16 @@ def main() -> None:
           f"torch_bn_grad CPU kernels: {torch_bn_grad.cpu_kernel_isa()}")
     images, labels = synthetic_data(args.samples, args.classes, args.image_size, g)
     split = args.samples * 3 // 4
-    train_x, train_y, test_x, test_y = images[:split], labels[:split], images[split:], labels[split:]
-
     reference = make_model(args.classes).to(memory_format=torch.channels_last)
+    return Setup(args, g, images[:split], labels[:split], images[split:], labels[split:], reference)
+
+
+def main() -> None:
+    s = setup(__doc__, default_epochs=4)
+    args, g, reference = s.args, s.generator, s.reference
+    train_x, train_y, test_x, test_y = s.train_x, s.train_y, s.test_x, s.test_y
+    split = len(train_x)
+
     model = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference))
     n_bn = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     print(f"model: {sum(p.numel() for p in model.parameters())} parameters, {n_bn} torch_bn_grad BatchNorm layers")
