@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 import torch_bn_grad
+from torch_bn_grad import stages
 from reference import Case, assert_close, cases, reference_forward
 
 EPS = 1e-5
@@ -133,3 +134,31 @@ def test_operators_run_on_the_current_stream():
     side.synchronize()
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_split_stages_match_cpu(dtype, layout):
+    """The split-stage operators (SyncBatchNorm's) on CUDA against ours on the CPU."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(6, 5, 7, 9, generator=g) * 2 + 1).to(dtype)
+    dy = torch.randn(6, 5, 7, 9, generator=g).to(dtype)
+    if layout == "channels_last":
+        x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
+    gamma = (torch.rand(5, generator=g) + 0.5).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    results = {}
+    for device in ("cpu", "cuda"):
+        xd, dyd, gd = x.to(device), dy.to(device), gamma.to(device)
+        stats = stages.batch_norm_local_stats(xd)
+        count, mean, var = stages.combine_stats(stats[None])
+        sums = stages.batch_norm_grad_sums(xd, dyd, mean)
+        dx = stages.batch_norm_grad_input(xd, dyd, mean, var, gd, count, sums)
+        results[device] = (stats, sums, dx)
+    (stats, sums, dx), (stats_cuda, sums_cuda, dx_cuda) = results["cpu"], [t.cpu() for t in results["cuda"]]
+    m = x.numel() // 5
+    tol = torch.float64 if dtype == torch.float64 else torch.float32  # statistics accumulate in float32
+    assert torch.equal(stats_cuda[0], stats[0])
+    assert_close(stats_cuda[1], stats[1], tol)
+    assert_close(stats_cuda[2] / m, stats[2] / m, tol, scale=4)
+    assert_close(sums_cuda, sums, tol, scale=m)  # sums of m terms
+    assert_close(dx_cuda, dx, dtype, scale=2)
