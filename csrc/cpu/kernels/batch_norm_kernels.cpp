@@ -97,6 +97,21 @@ struct Io {
       at::vec::convert_from_float<T>(v[0], v[1]).store(p);
     }
   }
+  // The first n (< kChunk) elements; the other lanes read as zero.
+  static void load_partial(const T* p, int64_t n, Vec (&v)[kParts]) {
+    if constexpr (kParts == 1) {
+      v[0] = Vec::loadu(p, n);
+    } else {
+      std::tie(v[0], v[1]) = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p, n));
+    }
+  }
+  static void store_partial(T* p, int64_t n, const Vec (&v)[kParts]) {
+    if constexpr (kParts == 1) {
+      v[0].store(p, n);
+    } else {
+      at::vec::convert_from_float<T>(v[0], v[1]).store(p, n);
+    }
+  }
 };
 
 // The deterministic partition. With inner > 1 ("planes") a block is one
@@ -338,10 +353,13 @@ struct Kernels {
             max_v[c + q] = at::vec::maximum(max_v[c + q], v[q].abs());
           }
         });
-        for (int64_t j = tail; j < n; ++j) {
-          const acc_t a = static_cast<acc_t>(p[j]);
-          sx.tail[0] += a;
-          max_abs = std::max(max_abs, std::abs(a));
+        if (tail < n) {  // zero-filled lanes add nothing to the sum or the max
+          Vec v[P];
+          IO::load_partial(p + tail, n - tail, v);
+          for (int q = 0; q < P; ++q) {
+            add_exact(sx.sum[0][q], sx.err[0][q], v[q]);
+            max_v[q] = at::vec::maximum(max_v[q], v[q].abs());
+          }
         }
       }
       for (const auto& m : max_v) max_abs = std::max(max_abs, max_lane(m));
@@ -360,9 +378,14 @@ struct Kernels {
             add_exact_nonnegative(sd.sum[0][c + q], sd.err[0][c + q], d * d);
           }
         });
-        for (int64_t j = tail; j < n; ++j) {
-          const double d = static_cast<double>(static_cast<acc_t>(p[j]) - centre);
-          sd.tail[0] += d * d;
+        if (tail < n) {  // lanes past the run must not add (0 - centre)^2
+          Vec v[P];
+          IO::load_partial(p + tail, n - tail, v);
+          for (int q = 0; q < P; ++q) {
+            const int64_t lanes = std::clamp<int64_t>(n - tail - q * W, 0, W);
+            const Vec d = Vec::set(Vec(acc_t(0)), v[q] - cv, lanes);
+            add_exact_nonnegative(sd.sum[0][q], sd.err[0][q], d * d);
+          }
         }
       }
       store_moments(out, k * out.per + blk.slot, count, sum_x, centre, sd.total(0));
@@ -454,10 +477,14 @@ struct Kernels {
             add_exact(st.sum[1][c + q], st.err[1][c + q], dv[q] * (xv[q] - m));
           }
         });
-        for (int64_t j = tail; j < n; ++j) {
-          const acc_t d = static_cast<acc_t>(dy[off + j]);
-          st.tail[0] += d;
-          st.tail[1] += static_cast<double>(d * (static_cast<acc_t>(x[off + j]) - mean[k]));
+        if (tail < n) {  // zero-filled dy lanes add nothing to either sum
+          Vec xv[P], dv[P];
+          IO::load_partial(dy + off + tail, n - tail, dv);
+          IO::load_partial(x + off + tail, n - tail, xv);
+          for (int q = 0; q < P; ++q) {
+            add_exact(st.sum[0][q], st.err[0][q], dv[q]);
+            add_exact(st.sum[1][q], st.err[1][q], dv[q] * (xv[q] - m));
+          }
         }
       }
       const int64_t slot = k * out.per + blk.slot;
@@ -528,7 +555,16 @@ struct Kernels {
           }
           IO::store(out + off + j, xv);
         }
-        for (; j < blk.s1; ++j) out[off + j] = scalar(x, y, off + j, k, mean, alpha, beta, gamma);
+        if (j < blk.s1) {
+          const int64_t n = blk.s1 - j;
+          IO::load_partial(x + off + j, n, xv);
+          if (y) IO::load_partial(y + off + j, n, yv);
+          for (int q = 0; q < P; ++q) {
+            xv[q] = at::vec::fmadd(xv[q] - m, bb, g);
+            if (y) xv[q] = at::vec::fmadd(a, yv[q], xv[q]);
+          }
+          IO::store_partial(out + off + j, n, xv);
+        }
       }
       return;
     }
