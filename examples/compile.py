@@ -10,7 +10,6 @@ loss and accuracy per epoch, and the median training-step time eager vs compiled
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from train import setup, step_times
+from train import median_step_times, setup
 
 
 def timed(fn, *args):
@@ -79,11 +78,7 @@ def main() -> None:
     eager.load_state_dict(model.state_dict())
     eager.train()
     model.train()
-    eager_t, compiled_t = [], []
-    for _ in range(3):
-        eager_t += step_times(eager, train_x, train_y, args.batch_size, args.timing_steps // 3)
-        compiled_t += step_times(compiled, train_x, train_y, args.batch_size, args.timing_steps // 3)
-    med_eager, med_compiled = statistics.median(eager_t), statistics.median(compiled_t)
+    med_eager, med_compiled = median_step_times(eager, compiled, s)
     print(f"median training step (batch {args.batch_size}, {args.image_size}x{args.image_size}, channels_last): "
           f"eager {med_eager * 1e3:.2f} ms, torch.compile {med_compiled * 1e3:.2f} ms, "
           f"speedup {med_eager / med_compiled:.2f}x")

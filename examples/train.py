@@ -135,6 +135,15 @@ def setup(description: str, default_epochs: int) -> Setup:
     return Setup(args, g, images[:split], labels[:split], images[split:], labels[split:], reference)
 
 
+def median_step_times(first: nn.Module, second: nn.Module, s: Setup) -> tuple[float, float]:
+    """Median training-step seconds of two models, their steps interleaved in rounds."""
+    a, b = [], []
+    for _ in range(3):
+        a += step_times(first, s.train_x, s.train_y, s.args.batch_size, s.args.timing_steps // 3)
+        b += step_times(second, s.train_x, s.train_y, s.args.batch_size, s.args.timing_steps // 3)
+    return statistics.median(a), statistics.median(b)
+
+
 def main() -> None:
     s = setup(__doc__, default_epochs=4)
     args, g, reference = s.args, s.generator, s.reference
@@ -171,11 +180,7 @@ def main() -> None:
 
     # Same architecture and weights, torch's BatchNorm vs ours, steps interleaved.
     ours_model = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference))
-    ours_t, torch_t = [], []
-    for _ in range(3):
-        torch_t += step_times(reference, train_x, train_y, args.batch_size, args.timing_steps // 3)
-        ours_t += step_times(ours_model, train_x, train_y, args.batch_size, args.timing_steps // 3)
-    med_ours, med_torch = statistics.median(ours_t), statistics.median(torch_t)
+    med_torch, med_ours = median_step_times(reference, ours_model, s)
     print(f"median training step (batch {args.batch_size}, {args.image_size}x{args.image_size}, channels_last): "
           f"torch BatchNorm {med_torch * 1e3:.2f} ms, torch_bn_grad {med_ours * 1e3:.2f} ms, "
           f"speedup {med_torch / med_ours:.2f}x")

@@ -183,3 +183,13 @@ def assert_close(actual: Optional[Tensor], expected: Tensor, dtype: torch.dtype,
     torch.testing.assert_close(
         actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"], check_dtype=False
     )
+
+
+def assert_modules_match(ref: torch.nn.Module, ours: torch.nn.Module, x: Tensor) -> None:
+    """Same output and same input gradient (of the output's sum) for the same input."""
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_r, out_o = ref(xr), ours(xo)
+    torch.testing.assert_close(out_o, out_r)
+    out_r.sum().backward()
+    out_o.sum().backward()
+    torch.testing.assert_close(xo.grad, xr.grad)

@@ -11,6 +11,7 @@ import torch
 
 import torch_bn_grad
 from torch_bn_grad import nn as bn_nn
+from reference import assert_modules_match
 
 MODULES = {
     "1d-NC": (torch.nn.BatchNorm1d, bn_nn.BatchNorm1d, (16, 6)),
@@ -65,13 +66,7 @@ def test_training_steps_then_eval_match_torch(kind, config, channels_last, devic
             torch.testing.assert_close(bo, br, msg=f"buffer {name} after step {step}")
     ref.eval()
     ours.eval()
-    x = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
-    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_r, out_o = ref(xr), ours(xo)
-    torch.testing.assert_close(out_o, out_r)
-    out_r.sum().backward()
-    out_o.sum().backward()
-    torch.testing.assert_close(xo.grad, xr.grad)
+    assert_modules_match(ref, ours, torch.randn(shape, generator=g, dtype=torch.float64).to(device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -181,7 +181,6 @@ def _forward_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(src, gamma, mean_used, variance_used)
     ctx.batch_statistics = mean is None
-    ctx.has_gamma = gamma is not None
     ctx.param_dtype = next((t.dtype for t in (gamma, beta) if t is not None), None)
     ctx.epsilon = epsilon
     ctx.data_format = data_format

@@ -270,19 +270,17 @@ struct Kernels {
   static constexpr int kGroups = P >= 4 ? 1 : 4 / P;
   static constexpr int kChains = kGroups * P;
 
-  // Compensated sums of N kinds of terms over a planes block, plus a float64
-  // tail for the scalar remainder.
+  // Compensated sums of N kinds of terms over a planes block.
   template <int N>
   struct Sums {
     Vec sum[N][kChains], err[N][kChains];
-    double tail[N] = {};
     Sums() {
       for (int n = 0; n < N; ++n)
         for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = Vec(acc_t(0));
     }
     double total(int n) const {
       double lanes[W];
-      double t = tail[n];
+      double t = 0;
       for (int c = 0; c < kChains; ++c) {
         lanes_to_double(sum[n][c], err[n][c], lanes);
         for (int64_t i = 0; i < W; ++i) t += lanes[i];
@@ -795,16 +793,6 @@ void batch_stats(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::T
   });
 }
 
-void normalize(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& mean,
-               const at::Tensor& scale, const at::Tensor& shift) {
-  TBG_DISPATCH(src, "normalize", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    affine_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e,
-                          mean.const_data_ptr<acc_t>(), nullptr, scale.const_data_ptr<acc_t>(),
-                          shift.const_data_ptr<acc_t>());
-  });
-}
-
 void grad_sums(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e, const at::Tensor& mean,
                at::Tensor& sum_dy, at::Tensor& sum_dy_xc) {
   TBG_DISPATCH(src, "grad_sums", [&] {
@@ -830,7 +818,7 @@ void grad_input(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& d
 const KernelTable& TBG_CONCAT(kernel_table_, CPU_CAPABILITY)() {
   static const KernelTable table{
       &CPU_CAPABILITY::forward_batch, &CPU_CAPABILITY::forward_frozen, &CPU_CAPABILITY::backward,
-      &CPU_CAPABILITY::batch_stats,   &CPU_CAPABILITY::normalize,      &CPU_CAPABILITY::grad_sums,
+      &CPU_CAPABILITY::batch_stats,   &CPU_CAPABILITY::grad_sums,
       &CPU_CAPABILITY::grad_input,    TBG_STR(CPU_CAPABILITY)};
   return table;
 }

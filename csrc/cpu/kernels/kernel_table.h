@@ -3,7 +3,7 @@
 // copy that matches the running CPU (at::get_cpu_capability()).
 //
 // Every data tensor is a contiguous [outer, channels, inner] array. Per-channel
-// tensors are contiguous float64 vectors, except the inputs of the four
+// tensors are contiguous float64 vectors, except the inputs of the
 // primitives marked "acc", which are of the accumulation type (float64 for
 // float64 data, float32 otherwise).
 #pragma once
@@ -39,9 +39,6 @@ struct KernelTable {
   // Primitives for split-stage algorithms (statistics across processes).
   // Batch mean and biased variance of each channel.
   void (*batch_stats)(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::Tensor& var);
-  // dst = (src - mean) * scale + shift; mean, scale, shift "acc".
-  void (*normalize)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& mean,
-                    const at::Tensor& scale, const at::Tensor& shift);
   // sum_dy = sum(diff_dst), sum_dy_xc = sum(diff_dst * (src - mean)) in one pass; mean "acc".
   void (*grad_sums)(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e,
                     const at::Tensor& mean, at::Tensor& sum_dy, at::Tensor& sum_dy_xc);
