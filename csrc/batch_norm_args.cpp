@@ -1,6 +1,8 @@
 #include "batch_norm_args.h"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ExpandUtils.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -302,9 +304,16 @@ at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {
   return t.permute(plan.permutation).contiguous();
 }
 
-KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan) {
+KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan, c10::Allocator* allocator) {
   KernelOutput out;
-  out.result = at::empty_like(src);
+  if (allocator == nullptr) {
+    out.result = at::empty_like(src);
+  } else {
+    const auto strides = src.is_non_overlapping_and_dense() ? src.strides().vec()
+                                                            : at::infer_dense_strides(src.sizes(), src.strides());
+    out.result = at::detail::empty_strided_generic(src.sizes(), strides, allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   src.scalar_type());
+  }
   auto view = out.result.permute(plan.permutation);
   out.buffer = view.is_contiguous() ? view : at::empty(view.sizes(), src.options());
   return out;

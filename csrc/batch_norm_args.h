@@ -65,12 +65,15 @@ at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan);
 // An output tensor laid out like `src` (its memory format), plus the
 // contiguous [outer, channels, inner] buffer the kernel writes. The buffer
 // aliases the output when the layouts agree; otherwise call
-// `finish_kernel_output` after the kernel has run.
+// `finish_kernel_output` after the kernel has run. `allocator`, when given,
+// a CPU allocator, provides the result's memory (strides as empty_like(src)
+// would choose).
 struct KernelOutput {
   at::Tensor result;
   at::Tensor buffer;
 };
-KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan);
+KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan,
+                                c10::Allocator* allocator = nullptr);
 void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan);
 
 // A per-channel tensor (stats_shape) as a contiguous 1-D tensor of `dtype` in

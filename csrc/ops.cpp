@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "cpu/kernels/kernel_table.h"
+#include "cpu/output_cache.h"
 
 namespace {
 
@@ -12,9 +13,36 @@ PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(torch_bn_grad::cpu::kernel_table().isa);
 }
 
+// `output_cache_info()`: the CPU output cache's counters, as a dict.
+PyObject* output_cache_info(PyObject*, PyObject*) {
+  const auto s = torch_bn_grad::cpu::output_cache_stats();
+  return Py_BuildValue("{sLsLsLsLsL}", "limit_bytes", static_cast<long long>(s.limit_bytes), "idle_bytes",
+                       static_cast<long long>(s.idle_bytes), "idle_blocks", static_cast<long long>(s.idle_blocks),
+                       "hits", static_cast<long long>(s.hits), "misses", static_cast<long long>(s.misses));
+}
+
+PyObject* set_output_cache_limit(PyObject*, PyObject* arg) {
+  const long long bytes = PyLong_AsLongLong(arg);
+  if (bytes == -1 && PyErr_Occurred()) return nullptr;
+  if (bytes < 0) {
+    PyErr_Format(PyExc_ValueError, "set_output_cache_limit: expected nbytes >= 0, got %lld", bytes);
+    return nullptr;
+  }
+  torch_bn_grad::cpu::set_output_cache_limit(bytes);
+  Py_RETURN_NONE;
+}
+
+PyObject* empty_output_cache(PyObject*, PyObject*) {
+  torch_bn_grad::cpu::empty_output_cache();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
      "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
+    {"output_cache_info", output_cache_info, METH_NOARGS, "Counters of the CPU output cache."},
+    {"set_output_cache_limit", set_output_cache_limit, METH_O, "Most idle bytes the CPU output cache keeps."},
+    {"empty_output_cache", empty_output_cache, METH_NOARGS, "Frees the CPU output cache's idle blocks."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

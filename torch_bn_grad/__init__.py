@@ -5,13 +5,14 @@ Operators (registered under ``torch.ops.torch_bn_grad``):
 Autograd: :class:`BatchNormFunction`. Functional: :mod:`torch_bn_grad.functional`.
 Modules: :mod:`torch_bn_grad.nn` (``SyncBatchNorm`` included) and :func:`convert_batchnorm`.
 Split-stage operators for statistics across processes: :mod:`torch_bn_grad.stages`.
+The CPU output cache: :mod:`torch_bn_grad.memory`.
 """
 
 import torch  # noqa: F401  (loads libc10/libtorch, which the extension links against)
 
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
 from torch_bn_grad import _vmap  # noqa: F401  (registers the operators' batching rules)
-from torch_bn_grad import functional, nn, stages
+from torch_bn_grad import functional, memory, nn, stages
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
@@ -22,6 +23,7 @@ __all__ = [
     "batch_norm_forward",
     "convert_batchnorm",
     "functional",
+    "memory",
     "nn",
     "stages",
 ]

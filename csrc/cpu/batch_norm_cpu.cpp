@@ -8,6 +8,7 @@
 
 #include "batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
+#include "cpu/output_cache.h"
 
 namespace torch_bn_grad::cpu {
 namespace {
@@ -27,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
   const at::Tensor x = to_kernel_layout(src, plan);
   const at::Tensor gamma_d = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
   const at::Tensor beta_d = to_kernel_channels(beta, plan, at::kDouble, 0, src);
-  KernelOutput out = make_kernel_output(src, plan);
+  KernelOutput out = make_kernel_output(src, plan, output_allocator());
 
   if (mean.has_value()) {
     if (src.numel() > 0) {
@@ -64,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   at::Tensor diff_gamma_d = output_mask[1] ? at::zeros({plan.channels}, src.options().dtype(at::kDouble)) : at::Tensor();
   at::Tensor diff_beta_d = output_mask[2] ? at::zeros({plan.channels}, src.options().dtype(at::kDouble)) : at::Tensor();
   KernelOutput out;
-  if (output_mask[0]) out = make_kernel_output(src, plan);
+  if (output_mask[0]) out = make_kernel_output(src, plan, output_allocator());
 
   if (src.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2])) {
     kernel_table().backward(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), out.buffer,

@@ -10,6 +10,7 @@
 
 #include "batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
+#include "cpu/output_cache.h"
 
 namespace torch_bn_grad::cpu {
 namespace {
@@ -51,7 +52,7 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
                                      c10::string_view data_format) {
   const ChannelPlan plan =
       check_grad_input_args(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format);
-  KernelOutput out = make_kernel_output(src, plan);
+  KernelOutput out = make_kernel_output(src, plan, output_allocator());
   if (src.numel() == 0) return out.result;
 
   // diff_src = a * dy + b * (x - mean) + c with, per channel, a = g * rstd,

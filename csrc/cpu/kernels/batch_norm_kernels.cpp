@@ -10,11 +10,13 @@
 //   execution strategy below.
 // * Every block sum is compensated: vector lanes of the accumulation type
 //   (float32 for float32/float16/bfloat16 data, float64 for float64) carry the
-//   exact rounding error of each add (TwoSum) alongside the sum, so a block's
-//   sum is as accurate as a float64 sum of its terms. A plain float32 lane
+//   exact rounding error of each add (TwoSum) alongside the sum. Terms first
+//   go into short plain runs of kRowRun (a few roundings of a small partial
+//   sum), and each run is added exactly, so a block's sum is within a few
+//   units of the run sums' rounding of a float64 sum. A plain float32 lane
 //   would be off by about sqrt(k) roundings after k terms: several units in
-//   the last place of diff_beta, or of the mean of zero-mean data. The extra
-//   adds are free in these memory-bound loops.
+//   the last place of diff_beta, or of the mean of zero-mean data. The runs
+//   keep the compensation's cost at a fraction of an add per term.
 // * Statistics take two passes per block, the second while the block is in
 //   cache: the exact sum of x gives the block mean; then the centred second
 //   moment is summed about a centre that makes x - centre exact (exact_centre),
@@ -42,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -66,12 +69,30 @@ constexpr int64_t kBlockElements = 16384;
 // and dy of a block still fit in L2 together.
 constexpr int64_t kColumnBlock = 256;
 constexpr int64_t kRowBlockElements = 65536;
-// Rows summed in registers before one compensated add into a channel's L1
-// accumulator: an 8-term plain sum loses far less than the sqrt(n) drift the
-// compensation prevents, at an eighth of its cost.
+// Terms summed plainly in registers before one compensated add (a channel's
+// rows in the rows path, a chain's chunks in the planes path): an 8-term plain
+// sum loses far less than the sqrt(n) drift the compensation prevents, at an
+// eighth of its cost.
 constexpr int64_t kRowRun = 8;
 
+// A planes row (one channel's inner positions in one outer row) shorter than
+// this is too short for the hardware prefetchers, which follow streams within
+// a page: rows of a channel are channels * inner elements apart, so each row
+// would start with cache misses paid at full latency. The row kPrefetchAhead
+// rows on is requested explicitly instead.
+constexpr int64_t kPrefetchRowBytes = 4096;
+constexpr int64_t kPrefetchAhead = 4;
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Requests the cache lines of p[0, n) (for writing when kWrite).
+template <bool kWrite, typename T>
+inline void prefetch_lines(const T* p, int64_t n) {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p + n);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(kLine - 1); a < end; a += kLine)
+    __builtin_prefetch(reinterpret_cast<const void*>(a), kWrite ? 1 : 0, 3);
+}
 
 // Loads and stores `T` data in chunks of one full vector of T, as kParts
 // vectors of the accumulation type.
@@ -270,13 +291,30 @@ struct Kernels {
   static constexpr int kGroups = P >= 4 ? 1 : 4 / P;
   static constexpr int kChains = kGroups * P;
 
-  // Compensated sums of N kinds of terms over a planes block.
+  // Sums of N kinds of terms over a planes block: each chain adds its terms
+  // plainly into `run` and, every kRowRun terms or so, moves the run into the
+  // compensated `sum`/`err` pair (as the rows path does per channel).
   template <int N>
   struct Sums {
-    Vec sum[N][kChains], err[N][kChains];
+    Vec sum[N][kChains], err[N][kChains], run[N][kChains];
     Sums() {
       for (int n = 0; n < N; ++n)
-        for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = Vec(acc_t(0));
+        for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = run[n][c] = Vec(acc_t(0));
+    }
+    void flush() {
+      for (int n = 0; n < N; ++n)
+        for (int c = 0; c < kChains; ++c) {
+          add_exact(sum[n][c], err[n][c], run[n][c]);
+          run[n][c] = Vec(acc_t(0));
+        }
+    }
+    // Compensated adds of non-negative runs (cheaper; see add_exact_nonnegative).
+    void flush_nonnegative() {
+      for (int n = 0; n < N; ++n)
+        for (int c = 0; c < kChains; ++c) {
+          add_exact_nonnegative(sum[n][c], err[n][c], run[n][c]);
+          run[n][c] = Vec(acc_t(0));
+        }
     }
     double total(int n) const {
       double lanes[W];
@@ -289,15 +327,41 @@ struct Kernels {
     }
   };
 
-  // Calls f(offset, chain base) for every full chunk of a run of n elements
-  // and returns where the scalar tail starts.
-  template <typename F>
-  static int64_t for_each_chunk(int64_t n, const F& f) {
-    int64_t j = 0;
-    for (; j + kGroups * K <= n; j += kGroups * K)
-      for (int g = 0; g < kGroups; ++g) f(j + g * K, g * P);
-    for (; j + K <= n; j += K) f(j, 0);
-    return j;
+  // Calls chunk(offset, chain base, lanes) for every chunk of every row of a
+  // planes block (lanes < K only for a row's last, partial chunk), spreading a
+  // row's chunks over the kGroups chain groups, and flush() whenever a chain
+  // may have taken kRowRun plain terms. The schedule depends on the shape only.
+  // Short rows of `a` and `b` (b may be null) are prefetched ahead.
+  template <typename Chunk, typename Flush>
+  static void walk_plane_rows(const Extent& e, const Block& blk, const T* a, const T* b, const Chunk& chunk,
+                              const Flush& flush) {
+    constexpr int64_t kSegment = kRowRun * kGroups * K;
+    const int64_t n = blk.s1 - blk.s0;
+    const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
+    int64_t pending = 0;  // most plain terms any chain holds
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const int64_t row = (o * e.channels + blk.channel) * e.inner + blk.s0;
+      if (prefetch && o + kPrefetchAhead < blk.o1) {
+        const int64_t ahead = row + kPrefetchAhead * e.channels * e.inner;
+        prefetch_lines<false>(a + ahead, n);
+        if (b) prefetch_lines<false>(b + ahead, n);
+      }
+      int64_t j = 0;
+      for (; j + kSegment <= n; j += kSegment) {
+        for (int64_t r = 0; r < kRowRun; ++r)
+          for (int g = 0; g < kGroups; ++g) chunk(row + j + (r * kGroups + g) * K, g * P, K);
+        flush();
+        pending = 0;
+      }
+      int64_t i = 0;
+      for (; j < n; j += K, ++i) chunk(row + j, static_cast<int>(i % kGroups) * P, std::min(K, n - j));
+      pending += ceil_div(i, kGroups);
+      if (pending >= kRowRun) {
+        flush();
+        pending = 0;
+      }
+    }
+    flush();
   }
 
   // Compensated per-channel accumulators of a rows block, in L1: the block is
@@ -340,52 +404,34 @@ struct Kernels {
       Sums<1> sx;
       Vec max_v[kChains];
       for (auto& m : max_v) m = Vec(acc_t(0));
-      acc_t max_abs = 0;
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const T* p = x + (o * C + k) * I + blk.s0;
-        const int64_t tail = for_each_chunk(n, [&](int64_t j, int c) {
-          Vec v[P];
-          IO::load(p + j, v);
-          for (int q = 0; q < P; ++q) {
-            add_exact(sx.sum[0][c + q], sx.err[0][c + q], v[q]);
-            max_v[c + q] = at::vec::maximum(max_v[c + q], v[q].abs());
-          }
-        });
-        if (tail < n) {  // zero-filled lanes add nothing to the sum or the max
-          Vec v[P];
-          IO::load_partial(p + tail, n - tail, v);
-          for (int q = 0; q < P; ++q) {
-            add_exact(sx.sum[0][q], sx.err[0][q], v[q]);
-            max_v[q] = at::vec::maximum(max_v[q], v[q].abs());
-          }
+      // Zero-filled lanes of a partial chunk add nothing to the sum or the max.
+      // Every term is added exactly (no plain runs): the mean must be right to
+      // well within half a unit of its float32 rounding.
+      walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, int c, int64_t lanes) {
+        Vec v[P];
+        if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+        for (int q = 0; q < P; ++q) {
+          add_exact(sx.sum[0][c + q], sx.err[0][c + q], v[q]);
+          max_v[c + q] = at::vec::maximum(max_v[c + q], v[q].abs());
         }
-      }
+      }, [] {});
+      acc_t max_abs = 0;
       for (const auto& m : max_v) max_abs = std::max(max_abs, max_lane(m));
       const double count = static_cast<double>((blk.o1 - blk.o0) * n);
       const double sum_x = sx.total(0);
       const acc_t centre = exact_centre<acc_t>(sum_x / count, max_abs);
-      const Vec cv(centre);
+      const Vec cv(centre), zero(acc_t(0));
       Sums<1> sd;
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const T* p = x + (o * C + k) * I + blk.s0;
-        const int64_t tail = for_each_chunk(n, [&](int64_t j, int c) {
-          Vec v[P];
-          IO::load(p + j, v);
-          for (int q = 0; q < P; ++q) {
-            const Vec d = v[q] - cv;
-            add_exact_nonnegative(sd.sum[0][c + q], sd.err[0][c + q], d * d);
-          }
-        });
-        if (tail < n) {  // lanes past the run must not add (0 - centre)^2
-          Vec v[P];
-          IO::load_partial(p + tail, n - tail, v);
-          for (int q = 0; q < P; ++q) {
-            const int64_t lanes = std::clamp<int64_t>(n - tail - q * W, 0, W);
-            const Vec d = Vec::set(Vec(acc_t(0)), v[q] - cv, lanes);
-            add_exact_nonnegative(sd.sum[0][q], sd.err[0][q], d * d);
-          }
+      walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, int c, int64_t lanes) {
+        Vec v[P];
+        if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+        for (int q = 0; q < P; ++q) {
+          Vec d = v[q] - cv;
+          // Lanes past the row must not add (0 - centre)^2.
+          if (lanes < K) d = Vec::set(zero, d, std::clamp<int64_t>(lanes - q * W, 0, W));
+          sd.run[0][c + q] = at::vec::fmadd(d, d, sd.run[0][c + q]);
         }
-      }
+      }, [&] { sd.flush_nonnegative(); });
       store_moments(out, k * out.per + blk.slot, count, sum_x, centre, sd.total(0));
       return;
     }
@@ -461,30 +507,24 @@ struct Kernels {
                          Partials& out) {
     const int64_t C = e.channels, I = e.inner;
     if (I > 1) {
-      const int64_t k = blk.channel, n = blk.s1 - blk.s0;
+      const int64_t k = blk.channel;
       const Vec m(mean[k]);
       Sums<2> st;
-      for (int64_t o = blk.o0; o < blk.o1; ++o) {
-        const int64_t off = (o * C + k) * I + blk.s0;
-        const int64_t tail = for_each_chunk(n, [&](int64_t j, int c) {
-          Vec xv[P], dv[P];
-          IO::load(dy + off + j, dv);
-          IO::load(x + off + j, xv);
-          for (int q = 0; q < P; ++q) {
-            add_exact(st.sum[0][c + q], st.err[0][c + q], dv[q]);
-            add_exact(st.sum[1][c + q], st.err[1][c + q], dv[q] * (xv[q] - m));
-          }
-        });
-        if (tail < n) {  // zero-filled dy lanes add nothing to either sum
-          Vec xv[P], dv[P];
-          IO::load_partial(dy + off + tail, n - tail, dv);
-          IO::load_partial(x + off + tail, n - tail, xv);
-          for (int q = 0; q < P; ++q) {
-            add_exact(st.sum[0][q], st.err[0][q], dv[q]);
-            add_exact(st.sum[1][q], st.err[1][q], dv[q] * (xv[q] - m));
-          }
+      // Zero-filled dy lanes of a partial chunk add nothing to either sum.
+      walk_plane_rows(e, blk, x, dy, [&](int64_t off, int c, int64_t lanes) {
+        Vec xv[P], dv[P];
+        if (lanes == K) {
+          IO::load(dy + off, dv);
+          IO::load(x + off, xv);
+        } else {
+          IO::load_partial(dy + off, lanes, dv);
+          IO::load_partial(x + off, lanes, xv);
         }
-      }
+        for (int q = 0; q < P; ++q) {
+          st.run[0][c + q] = st.run[0][c + q] + dv[q];
+          st.run[1][c + q] = at::vec::fmadd(dv[q], xv[q] - m, st.run[1][c + q]);
+        }
+      }, [&] { st.flush(); });
       const int64_t slot = k * out.per + blk.slot;
       out.a[slot] = st.total(0);
       out.b[slot] = st.total(1);
@@ -541,8 +581,16 @@ struct Kernels {
     if (I > 1) {
       const int64_t k = blk.channel;
       const Vec m(mean[k]), bb(beta[k]), g(gamma[k]), a(y ? alpha[k] : acc_t(0));
+      const int64_t n = blk.s1 - blk.s0;
+      const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
       for (int64_t o = blk.o0; o < blk.o1; ++o) {
         const int64_t off = (o * C + k) * I;
+        if (prefetch && o + kPrefetchAhead < blk.o1) {
+          const int64_t ahead = off + kPrefetchAhead * C * I + blk.s0;
+          prefetch_lines<false>(x + ahead, n);
+          if (y) prefetch_lines<false>(y + ahead, n);
+          prefetch_lines<true>(out + ahead, n);
+        }
         int64_t j = blk.s0;
         for (; j + K <= blk.s1; j += K) {
           IO::load(x + off + j, xv);
