@@ -516,6 +516,17 @@ struct ForwardCoefficientArgs {
   A* shift;         // beta
 };
 
+// Channel k's statistics and coefficients from its mean and variance.
+template <typename A>
+__device__ __forceinline__ void store_forward_coefficients(const ForwardCoefficientArgs<A>& a, int64_t k,
+                                                           double mean, double variance) {
+  const double g = a.gamma != nullptr ? a.gamma[k] : 1.0;
+  a.mean_out[k] = static_cast<A>(mean);
+  if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
+  a.scale[k] = static_cast<A>(g / sqrt(variance + a.epsilon));
+  a.shift[k] = static_cast<A>(a.beta != nullptr ? a.beta[k] : 0.0);
+}
+
 template <typename A>
 __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardCoefficientArgs<A> a) {
   const int64_t k = warp_channel();
@@ -535,12 +546,7 @@ __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardC
     mean = a.mean[k];
     variance = a.variance[k];
   }
-  if (lane != 0) return;
-  const double g = a.gamma != nullptr ? a.gamma[k] : 1.0;
-  a.mean_out[k] = static_cast<A>(mean);
-  if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
-  a.scale[k] = static_cast<A>(g / sqrt(variance + a.epsilon));
-  a.shift[k] = static_cast<A>(a.beta != nullptr ? a.beta[k] : 0.0);
+  if (lane == 0) store_forward_coefficients(a, k, mean, variance);
 }
 
 template <typename A>
@@ -563,20 +569,10 @@ struct BackwardCoefficientArgs {
   double* diff_beta;   // null when masked
 };
 
+// Channel k's coefficients and parameter gradients from its two sums.
 template <typename A>
-__global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(BackwardCoefficientArgs<A> p) {
-  const int64_t k = warp_channel();
-  if (k >= p.channels) return;  // whole warps
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  GradSums<double> s{0, 0};
-  if (p.partials != nullptr) {
-    for (int64_t i = lane; i < p.per_channel; i += kWarp) {
-      const GradSums<A> q = p.partials[k * p.per_channel + i];
-      s = merge(s, GradSums<double>{q.dy, q.dy_xc});
-    }
-    s = warp_reduce(s);
-  }
-  if (lane != 0) return;
+__device__ __forceinline__ void store_backward_coefficients(const BackwardCoefficientArgs<A>& p, int64_t k,
+                                                            const GradSums<double>& s) {
   const double rstd = 1.0 / sqrt(p.variance[k] + p.epsilon);
   if (p.a != nullptr) {
     const double a = (p.gamma != nullptr ? p.gamma[k] : 1.0) * rstd;
@@ -592,6 +588,22 @@ __global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(Backwar
   }
   if (p.diff_gamma != nullptr) p.diff_gamma[k] = rstd * s.dy_xc;
   if (p.diff_beta != nullptr) p.diff_beta[k] = s.dy;
+}
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(BackwardCoefficientArgs<A> p) {
+  const int64_t k = warp_channel();
+  if (k >= p.channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  GradSums<double> s{0, 0};
+  if (p.partials != nullptr) {
+    for (int64_t i = lane; i < p.per_channel; i += kWarp) {
+      const GradSums<A> q = p.partials[k * p.per_channel + i];
+      s = merge(s, GradSums<double>{q.dy, q.dy_xc});
+    }
+    s = warp_reduce(s);
+  }
+  if (lane == 0) store_backward_coefficients(p, k, s);
 }
 
 // ------------------------------------------------------------------ elementwise
