@@ -3,11 +3,13 @@ CUDA operators against our CPU operators on the same inputs, and against
 torch's native CUDA batch norm; the operators run on the current CUDA stream.
 
 The float64 reference checks of the CUDA operators are those of test_ops.py,
-test_properties.py and test_autograd.py, which run on every device.
+test_properties.py and test_autograd.py, which run on every device; the shapes
+around the persistent single-read variant's limits are checked against it here.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import pytest
@@ -16,7 +18,7 @@ from torch import Tensor
 
 import torch_bn_grad
 from torch_bn_grad import stages
-from reference import Case, assert_close, cases, reference_forward
+from reference import DTYPES, HALF_TYPES, Case, assert_close, cases, reference_backward, reference_forward
 
 EPS = 1e-5
 CASES = list(cases())
@@ -76,6 +78,98 @@ def test_cuda_matches_cpu(case, mode):
         assert t.device.type == "cuda"
         assert t.dtype == c.dtype and t.shape == c.shape and t.stride() == c.stride()
     _assert_outputs_close([t.cpu() for t in on_cuda], on_cpu, case, training)
+
+
+def _persistent_limits(dtype: torch.dtype) -> tuple[int, int]:
+    """The largest shapes that the persistent single-read variant takes
+    (plan_persistent_plane / plan_persistent_columns in
+    csrc/cuda/batch_norm_kernels.cuh): elements per channel in the planes
+    partition, rows of a channels-innermost tile in the columns partition."""
+    planes = 4096 if dtype == torch.float64 else 8192
+    rows = 512 if dtype in HALF_TYPES else 1024
+    return planes, rows
+
+
+def _persistent_cases() -> list[Case]:
+    """Shapes at, just below and just above the persistent variant's limits,
+    in both partitions and every dtype. `vec` channels make 16-byte vectors;
+    the columns tiles are 32 bytes of channels wide, so 3 * vec channels are
+    one and a half tiles; odd sizes force scalar loads."""
+    out = []
+    for dtype in DTYPES:
+        planes, rows = _persistent_limits(dtype)
+        vec = 16 // torch.empty((), dtype=dtype).element_size()
+        out += [
+            # planes (NCHW-like: a channel's rows span at least 128 bytes)
+            Case((2, 3, planes // 2), dtype, "NCX", "contiguous"),  # at the limit, vectors
+            Case((2, 3, planes // 2 - 1), dtype, "NCX", "contiguous"),  # just below, scalar
+            Case((2, 3, planes // 2 + vec), dtype, "NCX", "contiguous"),  # just above: two kernels
+            Case((3, 5, planes // 4 + 1), dtype, "NCX", "contiguous"),  # odd rows, scalar
+            Case((3, 4, 9, 15), dtype, "NCX", "contiguous"),  # fewer elements than threads
+            # columns (channels innermost)
+            Case((rows, 3 * vec), dtype, "NXC", "contiguous"),  # at the limit, vectors, partial tile
+            Case((rows - 3, 13), dtype, "NXC", "contiguous"),  # just below, scalar, partial tile
+            Case((rows + 1, 3 * vec), dtype, "NXC", "contiguous"),  # just above: two kernels
+            Case((4, 3 * vec, 8, rows // 32), dtype, "NCX", "channels_last"),  # at the limit
+            Case((7, 5), dtype, "NXC", "contiguous"),  # few rows: a wide tile
+        ]
+    return out
+
+
+PERSISTENT_CASES = _persistent_cases()
+
+
+def _run_reference(case: Case, training: bool):
+    """The float64 reference on the inputs of `_run_ours`, in the same order."""
+    x, dy, gamma, beta, mean, var = _inputs(case, "cpu", training)
+    given = (None, None) if training else (mean, var)
+    dst, used_mean, used_var = reference_forward(x, gamma, beta, *given, EPS, case.data_format)
+    grads = reference_backward(x, dy, mean, var, gamma, EPS, case.data_format, training)
+    return dst, used_mean, used_var, *grads
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[str(c) for c in PERSISTENT_CASES])
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_variant_matches_reference_and_cpu(case, mode):
+    """Around the persistent variant's limits (training forward, and backward
+    with the sums in both modes), against the float64 reference and our CPU
+    operators."""
+    training = mode == "training"
+    on_cuda = [t.cpu() for t in _run_ours(case, "cuda", training)]
+    _assert_outputs_close(on_cuda, _run_reference(case, training), case, training)
+    _assert_outputs_close(on_cuda, _run_ours(case, "cpu", training), case, training)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("partition", ["planes", "columns"])
+def test_persistent_variant_is_bitwise_reproducible(dtype, partition):
+    planes, rows = _persistent_limits(dtype)
+    shape, fmt = ((2, 3, planes // 2 - 1), "NCX") if partition == "planes" else ((rows - 3, 13), "NXC")
+    case = Case(shape, dtype, fmt, "contiguous")
+    first, second = _run_ours(case, "cuda", True), _run_ours(case, "cuda", True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("partition", ["planes", "columns"])
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_variant_output_mask(partition, mode):
+    """Each subset of the backward's outputs equals the same outputs of the
+    full call, bit for bit; without diff_src the kernel writes none."""
+    training = mode == "training"
+    shape, fmt = ((2, 3, 1000), "NCX") if partition == "planes" else ((600, 12), "NXC")
+    case = Case(shape, torch.float32, fmt, "contiguous")
+    x, dy, gamma, _, mean, var = _inputs(case, "cuda", training)
+    full = torch_bn_grad.batch_norm_backward(x, dy, mean, var, gamma, data_format=fmt, training=training)
+    for mask in itertools.product((True, False), repeat=3):
+        out = torch_bn_grad.batch_norm_backward(
+            x, dy, mean, var, gamma, data_format=fmt, training=training, output_mask=mask
+        )
+        for o, f, wanted in zip(out, full, mask):
+            if wanted:
+                assert torch.equal(o, f)
+            else:
+                assert o is None
 
 
 def _channels_at_1(t: Tensor, data_format: str) -> Tensor:

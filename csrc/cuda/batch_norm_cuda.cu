@@ -2,8 +2,10 @@
 // contract and per-channel math as csrc/cpu/batch_norm_cpu.cpp (and
 // batch_norm_stages_cpu.cpp): validate, view the data as [outer, channels,
 // inner], reduce, derive the per-channel coefficients in float64 on the
-// device, then run one elementwise pass. The kernels and their launch planning
-// are in batch_norm_kernels.cuh.
+// device, then run one elementwise pass; or, for the training forward and
+// backward of shapes a block can hold, all of it in one persistent kernel
+// that reads the data once. The kernels and their launch planning are in
+// batch_norm_kernels.cuh.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
@@ -43,6 +45,27 @@ void launch_partitioned(const Extent& e, std::initializer_list<const void*> poin
     with_vector_width<T>(width, [&](auto n) { columns(l, n); });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The persistent counterpart: calls plane(launch, n) or columns(launch, n)
+// and returns true when the shape qualifies (plan_persistent_*), else false
+// with nothing launched.
+template <typename T, typename OnPlane, typename OnColumns>
+bool launch_persistent(const Extent& e, std::initializer_list<const void*> pointers, const OnPlane& plane,
+                       const OnColumns& columns) {
+  if (use_planes<T>(e)) {
+    const int width = vector_width<T>(e.inner, pointers);
+    const auto l = plan_persistent_plane<T>(e, width);
+    if (!l) return false;
+    with_vector_width<T>(width, [&](auto n) { plane(*l, n); });
+  } else {
+    const int width = vector_width<T>(e.channels * e.inner, pointers);
+    const auto l = plan_persistent_columns<T>(e, width);
+    if (!l) return false;
+    with_vector_width<T>(width, [&](auto n) { columns(*l, n); });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 template <typename T>
@@ -117,6 +140,44 @@ void apply_affine(const at::Tensor& x, const T* y, const at::Tensor& out, const 
       });
 }
 
+// The training forward in one kernel (statistics, coefficients, output) when
+// the shape qualifies; false, with nothing launched, otherwise.
+template <typename T>
+bool persistent_forward(const at::Tensor& x, const at::Tensor& out, const Extent& e,
+                        const ForwardCoefficientArgs<Acc<T>>& args) {
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  return launch_persistent<T>(
+      e, {xp, op},
+      [&](const PersistentLaunch<PersistentPlane>& l, auto n) {
+        plane_persistent_forward_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+      },
+      [&](const PersistentLaunch<PersistentColumns>& l, auto n) {
+        column_persistent_forward_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+      });
+}
+
+// The training backward's sums, coefficients, parameter gradients and (unless
+// `out` is null) diff_src in one kernel when the shape qualifies; false, with
+// nothing launched, otherwise.
+template <typename T>
+bool persistent_backward(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean, T* out,
+                         const Extent& e, const BackwardCoefficientArgs<Acc<T>>& args) {
+  const T* xp = x.const_data_ptr<T>();
+  const T* dp = dy.const_data_ptr<T>();
+  const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
+  return launch_persistent<T>(
+      e, {xp, dp, out},
+      [&](const PersistentLaunch<PersistentPlane>& l, auto n) {
+        plane_persistent_backward_kernel<T, decltype(n)::value>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
+      },
+      [&](const PersistentLaunch<PersistentColumns>& l, auto n) {
+        column_persistent_backward_kernel<T, decltype(n)::value>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
+      });
+}
+
 dim3 channel_warps_grid(int64_t channels) {
   const int64_t blocks = ceil_div(channels, kChannelsPerBlock);
   TORCH_CHECK(blocks <= kMaxGridX, "batch_norm (CUDA): too many channels (", channels, ")");
@@ -161,19 +222,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_forward_cuda", [&] {
       using A = Acc<scalar_t>;
       ForwardCoefficientArgs<A> args{};
-      Partials<Moments<A>> partials;  // these stay alive until the kernels are queued
-      at::Tensor mean_d, var_d;
-      if (batch_statistics) {
-        partials = moment_partials<scalar_t>(x, e);
-        args.partials = partials.data;
-        args.per_channel = partials.per_channel;
-        args.variance_out = var_k.mutable_data_ptr<A>();
-      } else {
-        mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, src);
-        var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
-        args.mean = mean_d.const_data_ptr<double>();
-        args.variance = var_d.const_data_ptr<double>();
-      }
       args.gamma = optional_data(gamma_d);
       args.beta = optional_data(beta_d);
       args.epsilon = epsilon;
@@ -181,6 +229,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
       args.mean_out = mean_k.mutable_data_ptr<A>();
       args.scale = scale.mutable_data_ptr<A>();
       args.shift = shift.mutable_data_ptr<A>();
+      if (batch_statistics) {
+        args.variance_out = var_k.mutable_data_ptr<A>();
+        if (persistent_forward<scalar_t>(x, out.buffer, e, args)) return;
+      }
+      Partials<Moments<A>> partials;  // these stay alive until the kernels are queued
+      at::Tensor mean_d, var_d;
+      if (batch_statistics) {
+        partials = moment_partials<scalar_t>(x, e);
+        args.partials = partials.data;
+        args.per_channel = partials.per_channel;
+      } else {
+        mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, src);
+        var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
+        args.mean = mean_d.const_data_ptr<double>();
+        args.variance = var_d.const_data_ptr<double>();
+      }
       forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -237,12 +301,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_backward_cuda", [&] {
       using A = Acc<scalar_t>;
       BackwardCoefficientArgs<A> args{};
-      Partials<GradSums<A>> partials;  // alive until the kernels are queued
-      if (need_sums && M > 0) {
-        partials = grad_sum_partials<scalar_t>(x, dy, mean_k, e);
-        args.partials = partials.data;
-        args.per_channel = partials.per_channel;
-      }
       args.variance = var_d.const_data_ptr<double>();
       args.gamma = optional_data(gamma_d);
       args.epsilon = epsilon;
@@ -256,6 +314,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
       }
       if (dg.defined()) args.diff_gamma = dg.mutable_data_ptr<double>();
       if (db.defined()) args.diff_beta = db.mutable_data_ptr<double>();
+      Partials<GradSums<A>> partials;  // alive until the kernels are queued
+      if (need_sums && M > 0) {
+        scalar_t* dst = need_diff_src ? out.buffer.mutable_data_ptr<scalar_t>() : nullptr;
+        if (persistent_backward<scalar_t>(x, dy, mean_k, dst, e, args)) return;
+        partials = grad_sum_partials<scalar_t>(x, dy, mean_k, e);
+        args.partials = partials.data;
+        args.per_channel = partials.per_channel;
+      }
       backward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
 

@@ -11,11 +11,21 @@
 //   columns over a range of rows, so a warp reads contiguous row segments
 //   whatever the channel count.
 //
-// Reductions write one partial per block (planes) or per column and row split
-// (columns), and a second kernel merges each channel's partials in a fixed
-// order. There are no atomics, and the partition depends only on the shape
-// and on whether the pointers allow 16-byte vectors, so results are bitwise
-// reproducible from run to run.
+// and run in one of two structures:
+//
+// * Two kernels plus an elementwise pass: reductions write one partial per
+//   block (planes) or per column and row split (columns), and a second kernel
+//   merges each channel's partials in a fixed order and derives the
+//   coefficients; the elementwise pass then reads the data again.
+// * Persistent single read, for the training forward and backward when a
+//   whole channel (planes) or a tile of adjacent channels over all rows
+//   (columns with inner == 1) fits in one block's registers: one kernel loads
+//   the data once, reduces it in the block, derives the coefficients with the
+//   second stage's code and writes the output from the registers.
+//
+// There are no atomics, and the partition and structure depend only on the
+// shape and on whether the pointers allow 16-byte vectors, so results are
+// bitwise reproducible from run to run.
 //
 // Statistics: each thread runs Welford's update per column lane; states are
 // merged with Chan et al.'s pairwise formula (in registers, across a warp with
@@ -34,6 +44,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 namespace torch_bn_grad::cuda {
@@ -279,6 +290,46 @@ __device__ __forceinline__ void for_each_row(const ColumnGrid& g, int64_t column
   for (int64_t o = o0 + threadIdx.y; o < o1; o += blockDim.y) f(o * g.columns + column);
 }
 
+// Persistent planes: grid (channels), block (kThreads); block k holds all of
+// channel k, its vector v (rows outermost) in slot v / kThreads of thread
+// v % kThreads. Extents are in vectors of the kernel's N elements; a channel
+// has at most kThreads * R of them, so 32 bits index it.
+struct PersistentPlane {
+  int64_t channels;
+  unsigned inner;
+  unsigned vectors;  // outer * inner
+};
+
+// Calls f(r, v) for each slot r < R of this thread that holds a vector, v
+// being the vector's offset (in vectors) in the whole array.
+template <int R, typename F>
+__device__ __forceinline__ void for_each_held(const PersistentPlane& h, const F& f) {
+  const int64_t k = blockIdx.x;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const unsigned v = threadIdx.x + r * kThreads;
+    if (v < h.vectors) f(r, (static_cast<int64_t>(v / h.inner) * h.channels + k) * h.inner + v % h.inner);
+  }
+}
+
+// Persistent columns (inner == 1, so a column is a channel): grid (column
+// tiles), block (bx, by); thread x of tile blockIdx.x holds column vector
+// owned_column(), channels N * owned_column() + j, of every row, row
+// y + r * by in slot r.
+struct PersistentColumns {
+  int64_t outer;
+  int64_t columns;  // per row, in vectors
+};
+
+template <int R, typename F>
+__device__ __forceinline__ void for_each_held(const PersistentColumns& h, int64_t column, const F& f) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t o = threadIdx.y + static_cast<int64_t>(r) * blockDim.y;
+    if (o < h.outer) f(r, o * h.columns + column);
+  }
+}
+
 // ------------------------------------------------------------------ launch planning (host)
 // Fills the grids above and guarantees what the kernels rely on: blocks of
 // kThreads threads with power-of-two extents, gridDim.y < 65536, and every
@@ -390,6 +441,54 @@ inline ColumnLaunch plan_columns(const Extent& e, int width, int64_t element_siz
   TORCH_CHECK(tiles <= kMaxGridX, "batch_norm (CUDA): too many columns (", e.channels * e.inner, ")");
   return {g, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(ceil_div(e.outer, g.rows_per_split))),
           dim3(bx, by)};
+}
+
+// Persistent variant. A thread holds kPersistentItems<T> elements of each
+// tensor, as accumulation-type values: 128 bytes, 32 registers (32 float32,
+// float16 or bfloat16 values, 16 float64 ones), so the backward's x and dy
+// stay far below the 255-register cap. A block thus holds 8192 elements (4096
+// in float64), at most 32 KiB of data, half of kBytesPerBlock:
+// where the variant applies, the two-kernel path would give each channel
+// (planes) or tile (columns) about one block too, so one read of the data and
+// two launches are saved without losing parallelism.
+template <typename T>
+constexpr int kPersistentItems = 128 / static_cast<int>(sizeof(at::opmath_type<T>));
+// Narrowest row segment of a columns tile: one 32-byte sector, read whole.
+constexpr int64_t kSectorBytes = 32;
+
+template <typename G>
+struct PersistentLaunch {
+  G g;
+  dim3 grid;
+  dim3 block;
+};
+
+// Planes: when the channel's outer * inner elements fit in one block.
+template <typename T>
+std::optional<PersistentLaunch<PersistentPlane>> plan_persistent_plane(const Extent& e, int width) {
+  if (e.outer * e.inner > kThreads * kPersistentItems<T>) return std::nullopt;
+  TORCH_CHECK(e.channels <= kMaxGridX, "batch_norm (CUDA): too many channels (", e.channels, ")");
+  const PersistentPlane h{e.channels, static_cast<unsigned>(e.inner / width),
+                          static_cast<unsigned>(e.outer * e.inner / width)};
+  return PersistentLaunch<PersistentPlane>{h, dim3(static_cast<unsigned>(e.channels)), dim3(kThreads)};
+}
+
+// Columns: when inner == 1 and all rows fit in a tile whose rows are a sector
+// wide. Threads go down the rows first (by: the smallest power of two that
+// covers them, if the tile stays a sector wide), so tiles are as narrow, and
+// blocks as many, as the rows allow.
+template <typename T>
+std::optional<PersistentLaunch<PersistentColumns>> plan_persistent_columns(const Extent& e, int width) {
+  const int64_t vector_bytes = width * static_cast<int64_t>(sizeof(T));
+  const int max_by = kThreads / static_cast<int>(ceil_div(kSectorBytes, vector_bytes));
+  const int64_t max_rows = static_cast<int64_t>(max_by) * (kPersistentItems<T> / width);
+  if (e.inner != 1 || e.outer > max_rows) return std::nullopt;
+  const int by = pow2_at_least(e.outer, max_by);
+  const int bx = kThreads / by;
+  const PersistentColumns h{e.outer, e.channels / width};
+  const int64_t tiles = ceil_div(h.columns, bx);
+  TORCH_CHECK(tiles <= kMaxGridX, "batch_norm (CUDA): too many channels (", e.channels, ")");
+  return PersistentLaunch<PersistentColumns>{h, dim3(static_cast<unsigned>(tiles)), dim3(bx, by)};
 }
 
 // ------------------------------------------------------------------ first stage
@@ -516,6 +615,17 @@ struct ForwardCoefficientArgs {
   A* shift;         // beta
 };
 
+// Channel k's statistics and coefficients from its mean and variance.
+template <typename A>
+__device__ __forceinline__ void store_forward_coefficients(const ForwardCoefficientArgs<A>& a, int64_t k,
+                                                           double mean, double variance) {
+  const double g = a.gamma != nullptr ? a.gamma[k] : 1.0;
+  a.mean_out[k] = static_cast<A>(mean);
+  if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
+  a.scale[k] = static_cast<A>(g / sqrt(variance + a.epsilon));
+  a.shift[k] = static_cast<A>(a.beta != nullptr ? a.beta[k] : 0.0);
+}
+
 template <typename A>
 __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardCoefficientArgs<A> a) {
   const int64_t k = warp_channel();
@@ -535,12 +645,7 @@ __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardC
     mean = a.mean[k];
     variance = a.variance[k];
   }
-  if (lane != 0) return;
-  const double g = a.gamma != nullptr ? a.gamma[k] : 1.0;
-  a.mean_out[k] = static_cast<A>(mean);
-  if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
-  a.scale[k] = static_cast<A>(g / sqrt(variance + a.epsilon));
-  a.shift[k] = static_cast<A>(a.beta != nullptr ? a.beta[k] : 0.0);
+  if (lane == 0) store_forward_coefficients(a, k, mean, variance);
 }
 
 template <typename A>
@@ -563,20 +668,10 @@ struct BackwardCoefficientArgs {
   double* diff_beta;   // null when masked
 };
 
+// Channel k's coefficients and parameter gradients from its two sums.
 template <typename A>
-__global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(BackwardCoefficientArgs<A> p) {
-  const int64_t k = warp_channel();
-  if (k >= p.channels) return;  // whole warps
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  GradSums<double> s{0, 0};
-  if (p.partials != nullptr) {
-    for (int64_t i = lane; i < p.per_channel; i += kWarp) {
-      const GradSums<A> q = p.partials[k * p.per_channel + i];
-      s = merge(s, GradSums<double>{q.dy, q.dy_xc});
-    }
-    s = warp_reduce(s);
-  }
-  if (lane != 0) return;
+__device__ __forceinline__ void store_backward_coefficients(const BackwardCoefficientArgs<A>& p, int64_t k,
+                                                            const GradSums<double>& s) {
   const double rstd = 1.0 / sqrt(p.variance[k] + p.epsilon);
   if (p.a != nullptr) {
     const double a = (p.gamma != nullptr ? p.gamma[k] : 1.0) * rstd;
@@ -592,6 +687,22 @@ __global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(Backwar
   }
   if (p.diff_gamma != nullptr) p.diff_gamma[k] = rstd * s.dy_xc;
   if (p.diff_beta != nullptr) p.diff_beta[k] = s.dy;
+}
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(BackwardCoefficientArgs<A> p) {
+  const int64_t k = warp_channel();
+  if (k >= p.channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  GradSums<double> s{0, 0};
+  if (p.partials != nullptr) {
+    for (int64_t i = lane; i < p.per_channel; i += kWarp) {
+      const GradSums<A> q = p.partials[k * p.per_channel + i];
+      s = merge(s, GradSums<double>{q.dy, q.dy_xc});
+    }
+    s = warp_reduce(s);
+  }
+  if (lane == 0) store_backward_coefficients(p, k, s);
 }
 
 // ------------------------------------------------------------------ elementwise
@@ -652,6 +763,161 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kHasY) load<N>(y + v * N, yv);
 #pragma unroll
     for (int j = 0; j < N; ++j) res[j] = affine<A, kHasY>(xv[j], yv[j], mean[j], p[j], q[j], r[j]);
+    store<N>(out + v * N, res);
+  });
+}
+
+// ------------------------------------------------------------------ persistent
+// One kernel per operator for a block's worth of data (plan_persistent_*):
+// load once into registers, reduce in the block in a fixed order, derive the
+// coefficients with the second stage's code (its argument structs, partials
+// unused), and write the output from the registers. Those coefficients go to
+// the global per-channel vectors, and the block reads them back after a
+// __syncthreads(), which makes the writes visible to all of its threads.
+// Each thread issues all of its loads before any arithmetic, so that they are
+// in flight together.
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    plane_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentPlane h,
+                                    ForwardCoefficientArgs<at::opmath_type<T>> a) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ Moments<A> shared[kThreads / kWarp];
+  const int64_t k = blockIdx.x;
+  A xs[R][N];
+  LaneMoments<A, N> lanes{};
+  for_each_held<R>(h, [&](int r, int64_t v) { load<N>(x + v * N, xs[r]); });
+  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r]); });
+  const Moments<A> m = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0) store_forward_coefficients(a, k, m.mean, m.m2 / static_cast<double>(m.count));
+  __syncthreads();
+  const A mean = a.mean_out[k], q = a.scale[k], shift = a.shift[k];
+  for_each_held<R>(h, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, false>(xs[r][j], A(0), mean, A(0), q, shift);
+    store<N>(out + v * N, res);
+  });
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    column_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentColumns h,
+                                     ForwardCoefficientArgs<at::opmath_type<T>> a) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ LaneMoments<A, N> shared[kThreads / 2];
+  const int64_t column = owned_column();
+  const bool owner = column < h.columns;
+  A xs[R][N];
+  LaneMoments<A, N> lanes{};
+  if (owner) {
+    for_each_held<R>(h, column, [&](int r, int64_t v) { load<N>(x + v * N, xs[r]); });
+    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r]); });
+  }
+  column_reduce(lanes, shared);
+  if (owner && threadIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const double variance = lanes.m2[j] / static_cast<double>(lanes.count);
+      store_forward_coefficients(a, column * N + j, lanes.mean[j], variance);
+    }
+  }
+  __syncthreads();
+  if (!owner) return;
+  A mean[N], q[N], shift[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int64_t k = column * N + j;
+    mean[j] = a.mean_out[k];
+    q[j] = a.scale[k];
+    shift[j] = a.shift[k];
+  }
+  for_each_held<R>(h, column, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, false>(xs[r][j], A(0), mean[j], A(0), q[j], shift[j]);
+    store<N>(out + v * N, res);
+  });
+}
+
+// `out` is null when only the parameters' gradients are wanted.
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    plane_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                     const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
+                                     PersistentPlane h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ GradSums<A> shared[kThreads / kWarp];
+  const int64_t k = blockIdx.x;
+  A m[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) m[j] = mean[k];
+  A xs[R][N], ds[R][N];
+  LaneGradSums<A, N> lanes{};
+  for_each_held<R>(h, [&](int r, int64_t v) {
+    load<N>(x + v * N, xs[r]);
+    load<N>(dy + v * N, ds[r]);
+  });
+  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
+  const GradSums<A> s = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0) store_backward_coefficients(p, k, GradSums<double>{s.dy, s.dy_xc});
+  if (out == nullptr) return;
+  __syncthreads();
+  const A ca = p.a[k], cb = p.b[k], cc = p.c[k];
+  for_each_held<R>(h, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], ca, cb, cc);
+    store<N>(out + v * N, res);
+  });
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    column_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                      const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
+                                      PersistentColumns h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ LaneGradSums<A, N> shared[kThreads / 2];
+  const int64_t column = owned_column();
+  const bool owner = column < h.columns;
+  A m[N] = {}, xs[R][N], ds[R][N];
+  LaneGradSums<A, N> lanes{};
+  if (owner) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) m[j] = mean[column * N + j];
+    for_each_held<R>(h, column, [&](int r, int64_t v) {
+      load<N>(x + v * N, xs[r]);
+      load<N>(dy + v * N, ds[r]);
+    });
+    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
+  }
+  column_reduce(lanes, shared);
+  if (owner && threadIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      store_backward_coefficients(p, column * N + j, GradSums<double>{lanes.dy[j], lanes.dy_xc[j]});
+    }
+  }
+  if (out == nullptr) return;
+  __syncthreads();
+  if (!owner) return;
+  A ca[N], cb[N], cc[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int64_t k = column * N + j;
+    ca[j] = p.a[k];
+    cb[j] = p.b[k];
+    cc[j] = p.c[k];
+  }
+  for_each_held<R>(h, column, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], ca[j], cb[j], cc[j]);
     store<N>(out + v * N, res);
   });
 }
