@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #define TBG_CONCAT_IMPL(a, b) a##b
@@ -81,9 +82,17 @@ constexpr int64_t kRowRun = 8;
 // would start with cache misses paid at full latency. The row kPrefetchAhead
 // rows on is requested explicitly instead.
 constexpr int64_t kPrefetchRowBytes = 4096;
-constexpr int64_t kPrefetchAhead = 4;
+constexpr int64_t kPrefetchAhead = 12;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{}).
+template <int N, typename F>
+inline void static_for(const F& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+  }(std::make_integer_sequence<int, N>{});
+}
 
 // Requests the cache lines of p[0, n) (for writing when kWrite).
 template <bool kWrite, typename T>
@@ -327,6 +336,12 @@ struct Kernels {
     }
   };
 
+  // Chain indices and full-chunk lane counts are passed as compile-time
+  // constants, so that the accumulators stay in registers.
+  template <int C>
+  static constexpr std::integral_constant<int, C> chain{};
+  static constexpr std::integral_constant<int64_t, K> full{};
+
   // Calls chunk(offset, chain base, lanes) for every chunk of every row of a
   // planes block (lanes < K only for a row's last, partial chunk), spreading a
   // row's chunks over the kGroups chain groups, and flush() whenever a chain
@@ -349,12 +364,20 @@ struct Kernels {
       int64_t j = 0;
       for (; j + kSegment <= n; j += kSegment) {
         for (int64_t r = 0; r < kRowRun; ++r)
-          for (int g = 0; g < kGroups; ++g) chunk(row + j + (r * kGroups + g) * K, g * P, K);
+          static_for<kGroups>([&](auto g) { chunk(row + j + (r * kGroups + g) * K, chain<g * P>, full); });
         flush();
         pending = 0;
       }
-      int64_t i = 0;
-      for (; j < n; j += K, ++i) chunk(row + j, static_cast<int>(i % kGroups) * P, std::min(K, n - j));
+      int64_t i = 0;  // chunk i of the rest goes to group i % kGroups
+      while (j < n) {
+        static_for<kGroups>([&](auto g) {
+          if (j < n) {
+            chunk(row + j, chain<g * P>, std::min(K, n - j));
+            j += K;
+            ++i;
+          }
+        });
+      }
       pending += ceil_div(i, kGroups);
       if (pending >= kRowRun) {
         flush();
@@ -407,7 +430,7 @@ struct Kernels {
       // Zero-filled lanes of a partial chunk add nothing to the sum or the max.
       // Every term is added exactly (no plain runs): the mean must be right to
       // well within half a unit of its float32 rounding.
-      walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, int c, int64_t lanes) {
+      walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, auto c, auto lanes) {
         Vec v[P];
         if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
         for (int q = 0; q < P; ++q) {
@@ -422,7 +445,7 @@ struct Kernels {
       const acc_t centre = exact_centre<acc_t>(sum_x / count, max_abs);
       const Vec cv(centre), zero(acc_t(0));
       Sums<1> sd;
-      walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, int c, int64_t lanes) {
+      walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, auto c, auto lanes) {
         Vec v[P];
         if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
         for (int q = 0; q < P; ++q) {
@@ -511,7 +534,7 @@ struct Kernels {
       const Vec m(mean[k]);
       Sums<2> st;
       // Zero-filled dy lanes of a partial chunk add nothing to either sum.
-      walk_plane_rows(e, blk, x, dy, [&](int64_t off, int c, int64_t lanes) {
+      walk_plane_rows(e, blk, x, dy, [&](int64_t off, auto c, auto lanes) {
         Vec xv[P], dv[P];
         if (lanes == K) {
           IO::load(dy + off, dv);
