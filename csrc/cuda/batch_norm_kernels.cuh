@@ -801,6 +801,13 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// The per-channel values of the N channels that column group `column` owns.
+template <typename A, int N>
+__device__ __forceinline__ void load_columns(const A* __restrict__ values, int64_t column, A (&out)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = values[column * N + j];
+}
+
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
     column_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentColumns h,
@@ -827,13 +834,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (!owner) return;
   A mean[N], q[N], shift[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int64_t k = column * N + j;
-    mean[j] = a.mean_out[k];
-    q[j] = a.scale[k];
-    shift[j] = a.shift[k];
-  }
+  load_columns(a.mean_out, column, mean);
+  load_columns(a.scale, column, q);
+  load_columns(a.shift, column, shift);
   for_each_held<R>(h, column, [&](int r, int64_t v) {
     A res[N];
 #pragma unroll
@@ -888,8 +891,7 @@ __global__ void __launch_bounds__(kThreads)
   A m[N] = {}, xs[R][N], ds[R][N];
   LaneGradSums<A, N> lanes{};
   if (owner) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) m[j] = mean[column * N + j];
+    load_columns(mean, column, m);
     for_each_held<R>(h, column, [&](int r, int64_t v) {
       load<N>(x + v * N, xs[r]);
       load<N>(dy + v * N, ds[r]);
@@ -907,13 +909,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (!owner) return;
   A ca[N], cb[N], cc[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int64_t k = column * N + j;
-    ca[j] = p.a[k];
-    cb[j] = p.b[k];
-    cc[j] = p.c[k];
-  }
+  load_columns(p.a, column, ca);
+  load_columns(p.b, column, cb);
+  load_columns(p.c, column, cc);
   for_each_held<R>(h, column, [&](int r, int64_t v) {
     A res[N];
 #pragma unroll
