@@ -310,18 +310,14 @@ struct Kernels {
       for (int n = 0; n < N; ++n)
         for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = run[n][c] = Vec(acc_t(0));
     }
+    // Moves every run into its compensated sum; kNonNegative when all terms
+    // are >= 0 (the cheaper add_exact_nonnegative is then exact).
+    template <bool kNonNegative = false>
     void flush() {
       for (int n = 0; n < N; ++n)
         for (int c = 0; c < kChains; ++c) {
-          add_exact(sum[n][c], err[n][c], run[n][c]);
-          run[n][c] = Vec(acc_t(0));
-        }
-    }
-    // Compensated adds of non-negative runs (cheaper; see add_exact_nonnegative).
-    void flush_nonnegative() {
-      for (int n = 0; n < N; ++n)
-        for (int c = 0; c < kChains; ++c) {
-          add_exact_nonnegative(sum[n][c], err[n][c], run[n][c]);
+          if constexpr (kNonNegative) add_exact_nonnegative(sum[n][c], err[n][c], run[n][c]);
+          else add_exact(sum[n][c], err[n][c], run[n][c]);
           run[n][c] = Vec(acc_t(0));
         }
     }
@@ -454,7 +450,7 @@ struct Kernels {
           if (lanes < K) d = Vec::set(zero, d, std::clamp<int64_t>(lanes - q * W, 0, W));
           sd.run[0][c + q] = at::vec::fmadd(d, d, sd.run[0][c + q]);
         }
-      }, [&] { sd.flush_nonnegative(); });
+      }, [&] { sd.template flush<true>(); });
       store_moments(out, k * out.per + blk.slot, count, sum_x, centre, sd.total(0));
       return;
     }
