@@ -62,6 +62,15 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "batch_norm_backward(Tensor src, Tensor diff_dst, Tensor mean, Tensor variance, Tensor? gamma, "
       "float epsilon, str data_format, bool training, bool[3] output_mask) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta)");
+  // The gradient of batch_norm_forward with respect to (src, gamma, beta, mean,
+  // variance), given the gradients reaching its three outputs; undefined (None)
+  // where output_mask is false. Made of differentiable operators
+  // (csrc/batch_norm_autograd.cpp), so gradients of any order flow through it.
+  m.def(
+      "batch_norm_forward_grad(Tensor src, Tensor? gamma, Tensor mean, Tensor variance, Tensor? grad_dst, "
+      "Tensor? grad_mean, Tensor? grad_variance, float epsilon, str data_format, bool training, "
+      "ScalarType? param_dtype, bool[5] output_mask) "
+      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_mean, Tensor diff_variance)");
 
   // Split stages, for batch statistics over several processes (SyncBatchNorm).
   // They take the 1-D channel form (src of rank 2 to 8, channel axis chosen by

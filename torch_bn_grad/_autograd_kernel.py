@@ -18,13 +18,22 @@ from typing import Any, Callable
 
 import torch
 from torch.autograd import forward_ad
-from torch._functorch.utils import enable_single_level_autograd_function
+
+from torch_bn_grad._compat import (
+    AutoDispatchBelowAutograd,
+    DispatchKeySet,
+    OpOverload,
+    after_autograd_keyset,
+    any_requires_grad,
+    enable_single_level_autograd_function,
+    forward_ad_level,
+)
 
 _LIBRARY = torch.library.Library("torch_bn_grad", "IMPL")
 
 
 def register_autograd(
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     backward: Callable[..., Any],
     setup_context: Callable[[Any, tuple, Any], None],
 ) -> None:
@@ -42,20 +51,20 @@ def register_autograd(
     # The C++ Function.apply, bypassing the Python one's torch.func rerouting.
     plain_apply = super(torch.autograd.Function, function).apply
 
-    def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
+    def kernel(keyset: DispatchKeySet, *args: Any) -> Any:
         # Dual inputs go to the Function too: it has no jvp, so forward-mode AD
         # (torch.func.jvp, jacfwd, hessian) raises instead of dropping tangents.
-        if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _has_tangent(args):
+        if (torch.is_grad_enabled() and any_requires_grad(*args)) or _has_tangent(args):
             # Allowed here, under torch.func, because this node is one level's.
             with enable_single_level_autograd_function():
                 return plain_apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        with AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & after_autograd_keyset, *args)
 
     _LIBRARY.impl(op._opname, kernel, "Autograd", with_keyset=True)
 
 
-def _forward_below_autograd(op: torch._ops.OpOverload, *args: Any) -> Any:
+def _forward_below_autograd(op: OpOverload, *args: Any) -> Any:
     """The Function's forward: ``op`` without this level's Autograd kernel.
 
     ``Function.apply`` turns grad mode off around the forward, but grad mode is
@@ -63,12 +72,12 @@ def _forward_below_autograd(op: torch._ops.OpOverload, *args: Any) -> Any:
     call) would then record nothing; excluding the Autograd keys skips this
     level alone, as ATen's own Autograd kernels do.
     """
-    with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd():
+    with torch.enable_grad(), AutoDispatchBelowAutograd():
         return op(*args)
 
 
 def _has_tangent(args: tuple) -> bool:
     """Whether any argument is a forward-mode AD dual tensor."""
-    return forward_ad._current_level >= 0 and any(
+    return forward_ad_level() >= 0 and any(
         isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args
     )

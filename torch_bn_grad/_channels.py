@@ -1,4 +1,6 @@
-"""Shape helpers shared by the operator registrations and the autograd formulas.
+"""The rules for per-channel tensors, in one place: their shapes (and the
+reduced dims) and their dtypes, shared by the fake implementations, the
+autograd formulas, the batching rules and the modules.
 
 A per-channel tensor ("statistics": mean, variance, gamma, beta and their
 gradients) is either 1-D of length C, with the channel axis chosen by
@@ -12,6 +14,15 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+
+HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(src: Tensor) -> torch.dtype:
+    """The dtype computed statistics (and the formulas' per-channel algebra) take for ``src``:
+    float32 for float16/bfloat16 data, else ``src``'s dtype."""
+    return torch.float32 if src.dtype in HALF_TYPES else src.dtype
 
 
 def is_broadcast_form(src: Tensor, stats: Optional[Tensor]) -> bool:

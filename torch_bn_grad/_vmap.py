@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from torch_bn_grad.ops import _computed_stats_dtype
+from torch_bn_grad._channels import accumulation_dtype
 
 _MAX_RANK = 8  # the operators' rank limit
 # Above this many elements per sample, one call per sample beats the fused
@@ -113,7 +113,7 @@ def _forward_rule(info, in_dims, src, gamma, beta, mean, variance, epsilon, data
     if gamma is None and beta is None and mean is None:
         # Nothing carries the broadcast form: an identity gamma does (exact: the
         # kernel's default gamma is 1 too).
-        gamma = torch.ones((), dtype=_computed_stats_dtype(src), device=src.device).expand(b, *layout.kept)
+        gamma = torch.ones((), dtype=accumulation_dtype(src), device=src.device).expand(b, *layout.kept)
     dst, mean, variance = op(_batch_first(src, in_dims[0], b), gamma, beta, mean, variance, epsilon, data_format)
     return (dst, mean.reshape(b, *layout.logical), variance.reshape(b, *layout.logical)), (0, 0, 0)
 

@@ -52,34 +52,13 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_dst: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         src, gamma, mean, variance = ctx.saved_tensors
-        need_src, need_gamma, need_beta, need_mean, need_variance = ctx.needs_input_grad[:5]
-        if ctx.training:
-            if torch.is_grad_enabled():
-                # Double backward: the statistics are functions of src, so take them
-                # from the differentiable operator instead of the saved constants.
-                _, mean, variance = ops.batch_norm_forward(
-                    src, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format
-                )
-            diff_src, diff_gamma, diff_beta = ops.batch_norm_backward(
-                src, grad_dst, mean, variance, ops._in_stats_dtype(gamma, mean), epsilon=ctx.epsilon,
-                data_format=ctx.data_format, training=True, output_mask=(need_src, need_gamma, need_beta),
-            )
-            diff_gamma, diff_beta = (ops._to_dtype(t, ctx.param_dtype) for t in (diff_gamma, diff_beta))
-            return diff_src, diff_gamma, diff_beta, None, None, None, None
-        diff_src, diff_gamma, diff_beta = ops.batch_norm_backward(
-            src, grad_dst, mean, variance, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format,
-            training=False, output_mask=(need_src, need_gamma or need_variance, need_beta or need_mean),
+        if ctx.training and torch.is_grad_enabled():
+            # Double backward: the statistics are functions of src, so take them
+            # from the differentiable operator instead of the saved constants.
+            _, mean, variance = ops.batch_norm_forward(src, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format)
+        # The forward operator's own gradient formula (csrc/batch_norm_autograd.cpp).
+        grads = torch.ops.torch_bn_grad.batch_norm_forward_grad.default(
+            src, gamma, mean, variance, grad_dst, None, None, ctx.epsilon, ctx.data_format, ctx.training,
+            ctx.param_dtype, ctx.needs_input_grad[:5],
         )
-        grad_mean, grad_variance = ops._frozen_statistics_grads(
-            src, mean, variance, gamma, diff_gamma, diff_beta, ctx.epsilon, ctx.data_format,
-            need_mean, need_variance,
-        )
-        return (
-            diff_src,
-            diff_gamma if need_gamma else None,
-            diff_beta if need_beta else None,
-            grad_mean,
-            grad_variance,
-            None,
-            None,
-        )
+        return (*grads, None, None)

@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from torch_bn_grad import ops, stages
+from torch_bn_grad import _channels, ops, stages
+from torch_bn_grad._compat import functional_collectives as funcol
+from torch_bn_grad._running_stats import update_running_stats
 
 __all__ = ["sync_batch_norm"]
 
@@ -51,29 +52,8 @@ def sync_batch_norm(
     gathered = funcol.all_gather_single(local, 0, group)
     count, mean, variance = stages.combine_stats(gathered.view(-1, *local.shape))
     if running_mean is not None or running_var is not None:
-        _update_running_stats(running_mean, running_var, count, mean, variance, momentum)
+        update_running_stats(running_mean, running_var, mean, variance, count, momentum)
     return _SyncBatchNormFunction.apply(input, weight, bias, count, mean, variance, eps, group)
-
-
-@torch.no_grad()
-def _update_running_stats(
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    count: Tensor,
-    mean: Tensor,
-    variance: Tensor,
-    momentum: Union[float, Tensor],
-) -> None:
-    """running = (1 - momentum) * running + momentum * batch (unbiased variance),
-    left unchanged when the whole batch is empty; decided on the device."""
-    seen = count > 0
-    if running_mean is not None:
-        updated = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
-        running_mean.copy_(torch.where(seen, updated, running_mean))
-    if running_var is not None:
-        unbiased = variance * (count / (count - 1).clamp_min(1))  # count 1: the variance itself
-        updated = running_var * (1 - momentum) + unbiased.to(running_var.dtype) * momentum
-        running_var.copy_(torch.where(seen, updated, running_var))
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -99,7 +79,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     ) -> Tensor:
         # Statistics (and so parameters) in float32 for half-precision data, even
         # with half-precision parameters: a mean rounded to bfloat16 would be too coarse.
-        stats_dtype = ops._computed_stats_dtype(input)
+        stats_dtype = _channels.accumulation_dtype(input)
         dst, _, _ = ops.batch_norm_forward(
             input,
             weight.to(stats_dtype) if weight is not None else None,

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import ops
+from torch_bn_grad._running_stats import update_running_stats
 
 __all__ = ["batch_norm"]
 
@@ -55,7 +56,7 @@ def _batch_norm(
     dst, mean, var = ops.batch_norm_forward(input, weight, bias, epsilon=eps)
     count = input.numel() // max(input.shape[1], 1) if input.dim() >= 2 else 0
     if count > 0 and (running_mean is not None or running_var is not None):
-        _update_running_stats(running_mean, running_var, mean, var, count, momentum)
+        update_running_stats(running_mean, running_var, mean, var, count, momentum)
     return dst
 
 
@@ -68,20 +69,3 @@ def _verify_batch_size(input: Tensor) -> None:
         size_prods *= size
     if size_prods == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
-
-
-@torch.no_grad()
-def _update_running_stats(
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    mean: Tensor,
-    var: Tensor,
-    count: int,
-    momentum: Union[float, Tensor],
-) -> None:
-    """running = (1 - momentum) * running + momentum * batch, with the unbiased variance."""
-    if running_mean is not None:
-        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype) * momentum)
-    if running_var is not None:
-        unbiased = var * (count / (count - 1)) if count > 1 else var
-        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype) * momentum)

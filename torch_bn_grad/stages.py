@@ -23,8 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels
-from torch_bn_grad.ops import _check_data_format, _check_same_device, _epsilon
+from torch_bn_grad._checks import check_data_format, epsilon_value
 
 __all__ = ["batch_norm_local_stats", "batch_norm_grad_sums", "batch_norm_grad_input", "combine_stats"]
 
@@ -35,7 +34,7 @@ def batch_norm_local_stats(src: Tensor, *, data_format: str = "NCX") -> Tensor:
     ``m2 = sum((src - mean)^2)`` is the centred second moment. An empty ``src``
     gives zeros, which :func:`combine_stats` treats as "no samples".
     """
-    _check_data_format("batch_norm_local_stats", data_format)
+    check_data_format("batch_norm_local_stats", data_format)
     return torch.ops.torch_bn_grad.batch_norm_local_stats.default(src, data_format)
 
 
@@ -45,7 +44,7 @@ def batch_norm_grad_sums(src: Tensor, diff_dst: Tensor, mean: Tensor, *, data_fo
     ``mean`` (float64, ``(C,)``) is the mean of the whole batch, so that the
     sums of all processes add up to the whole batch's sums.
     """
-    _check_data_format("batch_norm_grad_sums", data_format)
+    check_data_format("batch_norm_grad_sums", data_format)
     return torch.ops.torch_bn_grad.batch_norm_grad_sums.default(src, diff_dst, mean, data_format)
 
 
@@ -70,9 +69,9 @@ def batch_norm_grad_input(
     in ``src``'s dtype and memory format.
     """
     op = "batch_norm_grad_input"
-    _check_data_format(op, data_format)
+    check_data_format(op, data_format)
     return torch.ops.torch_bn_grad.batch_norm_grad_input.default(
-        src, diff_dst, mean, variance, gamma, count, grad_sums, _epsilon(op, epsilon), data_format
+        src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon_value(op, epsilon), data_format
     )
 
 
@@ -91,43 +90,3 @@ def combine_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     mean = (weights * means).sum(0)
     m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
     return count, mean, m2 / count.clamp_min(1)
-
-
-# ------------------------------------------------------------------ fake implementations
-def _check_stage_shapes(op: str, src: Tensor, data_format: str, **stats: tuple[Tensor, int]) -> int:
-    torch._check_value(src.dim() >= 2, lambda: f"{op}: src must have rank 2 to 8, got shape {tuple(src.shape)}")
-    channels = src.shape[_channels.channel_axis(src, data_format)]
-    _check_same_device(op, src, **{name: t for name, (t, _) in stats.items()})
-    for name, (t, rows) in stats.items():
-        expected = (channels,) if rows == 0 else (rows, channels)
-        torch._check_type(t.dtype == torch.float64, lambda: f"{op}: {name} must have dtype float64, got {t.dtype}")
-        torch._check_value(
-            t.shape == expected, lambda: f"{op}: {name} must have shape {expected}, got {tuple(t.shape)}"
-        )
-    return channels
-
-
-@torch.library.register_fake("torch_bn_grad::batch_norm_local_stats")
-def _batch_norm_local_stats_fake(src, data_format):
-    channels = _check_stage_shapes("batch_norm_local_stats", src, data_format)
-    return src.new_empty((3, channels), dtype=torch.float64)
-
-
-@torch.library.register_fake("torch_bn_grad::batch_norm_grad_sums")
-def _batch_norm_grad_sums_fake(src, diff_dst, mean, data_format):
-    torch._check_value(diff_dst.shape == src.shape, lambda: "batch_norm_grad_sums: diff_dst must have src's shape")
-    channels = _check_stage_shapes("batch_norm_grad_sums", src, data_format, mean=(mean, 0))
-    return src.new_empty((2, channels), dtype=torch.float64)
-
-
-@torch.library.register_fake("torch_bn_grad::batch_norm_grad_input")
-def _batch_norm_grad_input_fake(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format):
-    torch._check_value(
-        diff_dst.shape == src.shape, lambda: "batch_norm_grad_input: diff_dst must have src's shape"
-    )
-    _check_stage_shapes(
-        "batch_norm_grad_input", src, data_format,
-        mean=(mean, 0), variance=(variance, 0), count=(count, 0), grad_sums=(grad_sums, 2),
-    )
-    _check_same_device("batch_norm_grad_input", src, gamma=gamma)
-    return torch.empty_like(src)

@@ -1,0 +1,83 @@
+"""Fake (meta) implementations of every operator, for torch.compile, export and
+FakeTensor tracing: output shapes, dtypes and devices, and the checks a
+compiled program must keep (the C++ operators make the full ones)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_bn_grad import _channels
+from torch_bn_grad._checks import check_same_device
+
+
+def _given(t: Optional[Tensor]) -> str:
+    return "None" if t is None else "tensor"
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_forward")
+def _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_format):
+    check_same_device("batch_norm_forward", src, gamma=gamma, beta=beta, mean=mean, variance=variance)
+    torch._check_value(
+        (mean is None) == (variance is None),
+        lambda: "batch_norm_forward: mean and variance must be given together (frozen statistics) or both "
+        f"omitted (batch statistics), got mean={_given(mean)} and variance={_given(variance)}",
+    )
+    ref = next((t for t in (mean, variance, gamma, beta) if t is not None), None)
+    shape = _channels.stats_shape(src, ref, data_format)
+    dtype = mean.dtype if mean is not None else _channels.accumulation_dtype(src)
+    return torch.empty_like(src), src.new_empty(shape, dtype=dtype), src.new_empty(shape, dtype=dtype)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_backward")
+def _batch_norm_backward_fake(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
+    check_same_device("batch_norm_backward", src, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
+    torch._check_value(
+        diff_dst.shape == src.shape,
+        lambda: f"batch_norm_backward: diff_dst must have src's shape {list(src.shape)}, got {list(diff_dst.shape)}",
+    )
+    diff_src = torch.empty_like(src) if output_mask[0] else src.new_empty(0)
+    diff_gamma = mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0)
+    diff_beta = mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0)
+    return diff_src, diff_gamma, diff_beta
+
+
+def _check_stage_shapes(op: str, src: Tensor, data_format: str, **stats: tuple[Tensor, int]) -> int:
+    torch._check_value(src.dim() >= 2, lambda: f"{op}: src must have rank 2 to 8, got shape {tuple(src.shape)}")
+    channels = src.shape[_channels.channel_axis(src, data_format)]
+    check_same_device(op, src, **{name: t for name, (t, _) in stats.items()})
+    for name, (t, rows) in stats.items():
+        expected = (channels,) if rows == 0 else (rows, channels)
+        torch._check_type(t.dtype == torch.float64, lambda: f"{op}: {name} must have dtype float64, got {t.dtype}")
+        torch._check_value(
+            t.shape == expected, lambda: f"{op}: {name} must have shape {expected}, got {tuple(t.shape)}"
+        )
+    return channels
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_local_stats")
+def _batch_norm_local_stats_fake(src, data_format):
+    channels = _check_stage_shapes("batch_norm_local_stats", src, data_format)
+    return src.new_empty((3, channels), dtype=torch.float64)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_grad_sums")
+def _batch_norm_grad_sums_fake(src, diff_dst, mean, data_format):
+    torch._check_value(diff_dst.shape == src.shape, lambda: "batch_norm_grad_sums: diff_dst must have src's shape")
+    channels = _check_stage_shapes("batch_norm_grad_sums", src, data_format, mean=(mean, 0))
+    return src.new_empty((2, channels), dtype=torch.float64)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_grad_input")
+def _batch_norm_grad_input_fake(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format):
+    torch._check_value(
+        diff_dst.shape == src.shape, lambda: "batch_norm_grad_input: diff_dst must have src's shape"
+    )
+    _check_stage_shapes(
+        "batch_norm_grad_input", src, data_format,
+        mean=(mean, 0), variance=(variance, 0), count=(count, 0), grad_sums=(grad_sums, 2),
+    )
+    check_same_device("batch_norm_grad_input", src, gamma=gamma)
+    return torch.empty_like(src)

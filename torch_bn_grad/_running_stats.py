@@ -1,0 +1,42 @@
+"""The running-statistics update, in one place (functional, modules, SyncBatchNorm)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def update_running_stats(
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    mean: Tensor,
+    variance: Tensor,
+    count: Union[int, Tensor],
+    momentum: Union[float, Tensor],
+) -> None:
+    """``running += momentum * (batch - running)`` in place, ``running_var`` with the
+    unbiased variance, as torch's BatchNorm does.
+
+    ``count`` is the number of elements per channel: an ``int`` known on the host
+    (0: nothing changes), or a tensor (SyncBatchNorm: the whole batch's count,
+    decided on the device without a host synchronization). ``momentum`` may be a
+    tensor (the modules' cumulative average), so that it traces without a graph break.
+    """
+    if isinstance(count, Tensor):
+        bessel: Union[float, Tensor] = count / (count - 1).clamp_min(1)  # count 1: the variance itself
+        seen: Optional[Tensor] = count > 0
+    else:  # an int, or a SymInt under torch.compile
+        if count == 0:
+            return
+        bessel = count / (count - 1) if count > 1 else 1.0
+        seen = None
+    for running, batch in ((running_mean, mean), (running_var, variance * bessel)):
+        if running is None:
+            continue
+        if seen is None:
+            running.lerp_(batch.to(running.dtype), momentum)
+        else:
+            running.copy_(torch.where(seen, running.lerp(batch.to(running.dtype), momentum), running))
