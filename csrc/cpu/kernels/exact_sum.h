@@ -19,6 +19,7 @@
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
 
 // Terms summed plainly in registers before one compensated add (a channel's
 // rows in the row kernels, a chain's chunks in the plane kernels): an 8-term
@@ -72,5 +73,6 @@ inline acc_t exact_centre(double mean, double max_abs) {
   return static_cast<acc_t>(std::round(mean / spacing) * spacing);
 }
 
+}  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu

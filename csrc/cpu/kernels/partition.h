@@ -23,6 +23,7 @@
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
 
 // Elements per planes block: small enough to stay in L1/L2 between the two
 // statistics passes.
@@ -136,5 +137,6 @@ struct Partials {
   }
 };
 
+}  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu

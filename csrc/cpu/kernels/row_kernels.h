@@ -15,6 +15,7 @@
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
 
 template <typename T>
 struct RowKernels {
@@ -166,6 +167,8 @@ struct RowKernels {
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                      const math::AffineArrays<acc_t>& c) {
     const int64_t C = e.channels;
+    // Local copies: the vector stores may alias anything, c's fields included.
+    const acc_t *mean = c.mean, *dy_scale = c.dy_scale, *x_scale = c.x_scale, *bias = c.bias;
     Vec xv[P], yv[P];
     const int64_t c0 = blk.s0, c1 = blk.s1;
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
@@ -176,8 +179,8 @@ struct RowKernels {
         if (y) IO::load(y + off + j, yv);
         for (int q = 0; q < P; ++q) {
           const int64_t jq = j + q * W;
-          xv[q] = at::vec::fmadd(xv[q] - Vec::loadu(c.mean + jq), Vec::loadu(c.x_scale + jq), Vec::loadu(c.bias + jq));
-          if (y) xv[q] = at::vec::fmadd(Vec::loadu(c.dy_scale + jq), yv[q], xv[q]);
+          xv[q] = at::vec::fmadd(xv[q] - Vec::loadu(mean + jq), Vec::loadu(x_scale + jq), Vec::loadu(bias + jq));
+          if (y) xv[q] = at::vec::fmadd(Vec::loadu(dy_scale + jq), yv[q], xv[q]);
         }
         IO::store(out + off + j, xv);
       }
@@ -193,5 +196,6 @@ struct RowKernels {
   }
 };
 
+}  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu

@@ -1,6 +1,9 @@
 // Vector loads and stores of the CPU kernels, and the loop helpers their inner
-// loops share. Included by the per-ISA kernel sources only: everything lives in
-// namespace CPU_CAPABILITY, as at::vec does.
+// loops share.
+//
+// The headers of this folder are included by the per-ISA kernel source only,
+// and everything in them lives in namespace CPU_CAPABILITY (as at::vec does)
+// and has internal linkage, as if written in that source.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -14,6 +17,7 @@
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
+namespace {
 
 using at::vec::Vectorized;
 
@@ -75,5 +79,6 @@ struct Io {
   }
 };
 
+}  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu
