@@ -76,7 +76,6 @@ class BuildWithIsaKernels(BuildExtension):
 def _extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    defines: list[str] = []
     kwargs = dict(
         name="torch_bn_grad._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
@@ -91,12 +90,12 @@ def _extension():
         return CUDAExtension(
             sources=sources,
             extra_compile_args={
-                "cxx": CXX_FLAGS + defines + ["-DTORCH_BN_GRAD_WITH_CUDA"],
-                "nvcc": ["-O3", "--use_fast_math", "-DTORCH_BN_GRAD_WITH_CUDA"],
+                "cxx": CXX_FLAGS + ["-DTORCH_BN_GRAD_WITH_CUDA"],
+                "nvcc": ["-O3", "-DTORCH_BN_GRAD_WITH_CUDA"],
             },
             **kwargs,
         )
-    return CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS + defines}, **kwargs)
+    return CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
 
 
 setup(

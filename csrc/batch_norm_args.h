@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "extent.h"
+
 namespace torch_bn_grad {
 
 struct ChannelPlan {
@@ -32,6 +34,7 @@ struct ChannelPlan {
   std::vector<int64_t> kept_kernel;
 
   int64_t reduced_count() const { return outer * inner; }
+  Extent extent() const { return {outer, channels, inner}; }
 };
 
 // Validates the backward operator's arguments (ValueError / TypeError naming

@@ -3,19 +3,18 @@
 #include <Python.h>
 #include <torch/library.h>
 
-#include "cpu/kernels/kernel_table.h"
-#include "cpu/output_cache.h"
+#include "module_functions.h"
 
 namespace {
 
 // `torch_bn_grad._C.cpu_kernel_isa()`: which compiled copy of the CPU kernels runs.
 PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
-  return PyUnicode_FromString(torch_bn_grad::cpu::kernel_table().isa);
+  return PyUnicode_FromString(torch_bn_grad::cpu_kernel_isa());
 }
 
 // `output_cache_info()`: the CPU output cache's counters, as a dict.
 PyObject* output_cache_info(PyObject*, PyObject*) {
-  const auto s = torch_bn_grad::cpu::output_cache_stats();
+  const auto s = torch_bn_grad::output_cache_stats();
   return Py_BuildValue("{sLsLsLsLsL}", "limit_bytes", static_cast<long long>(s.limit_bytes), "idle_bytes",
                        static_cast<long long>(s.idle_bytes), "idle_blocks", static_cast<long long>(s.idle_blocks),
                        "hits", static_cast<long long>(s.hits), "misses", static_cast<long long>(s.misses));
@@ -28,12 +27,12 @@ PyObject* set_output_cache_limit(PyObject*, PyObject* arg) {
     PyErr_Format(PyExc_ValueError, "set_output_cache_limit: expected nbytes >= 0, got %lld", bytes);
     return nullptr;
   }
-  torch_bn_grad::cpu::set_output_cache_limit(bytes);
+  torch_bn_grad::set_output_cache_limit(bytes);
   Py_RETURN_NONE;
 }
 
 PyObject* empty_output_cache(PyObject*, PyObject*) {
-  torch_bn_grad::cpu::empty_output_cache();
+  torch_bn_grad::empty_output_cache();
   Py_RETURN_NONE;
 }
 

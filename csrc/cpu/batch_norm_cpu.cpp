@@ -13,8 +13,6 @@
 namespace torch_bn_grad::cpu {
 namespace {
 
-Extent extent_of(const ChannelPlan& plan) { return {plan.outer, plan.channels, plan.inner}; }
-
 at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like) {
   return at::empty({plan.channels}, like.options().dtype(at::kDouble));
 }
@@ -24,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
     const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
     const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
-  const Extent e = extent_of(plan);
+  const Extent e = plan.extent();
   const at::Tensor x = to_kernel_layout(src, plan);
   const at::Tensor gamma_d = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
   const at::Tensor beta_d = to_kernel_channels(beta, plan, at::kDouble, 0, src);
@@ -69,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
 
   if (src.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2])) {
     kernel_table().backward(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), out.buffer,
-                            extent_of(plan), to_kernel_channels(mean, plan, at::kDouble, 0, src),
+                            plan.extent(), to_kernel_channels(mean, plan, at::kDouble, 0, src),
                             to_kernel_channels(variance, plan, at::kDouble, 0, src),
                             to_kernel_channels(gamma, plan, at::kDouble, 1, src), epsilon, training,
                             diff_gamma_d, diff_beta_d);

@@ -6,8 +6,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
@@ -22,9 +20,7 @@ at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view da
   if (count > 0 && plan.channels > 0) {
     at::Tensor mean = stats[1];
     at::Tensor m2 = stats[2];
-    kernel_table().batch_stats(to_kernel_layout(src, plan), {plan.outer, plan.channels, plan.inner},
-                               mean, m2);
-    m2.mul_(static_cast<double>(count));  // biased variance -> centred second moment
+    kernel_table().batch_moments(to_kernel_layout(src, plan), plan.extent(), mean, m2);
     stats[0].fill_(static_cast<double>(count));
   }
   return stats;
@@ -37,10 +33,8 @@ at::Tensor batch_norm_grad_sums_cpu(const at::Tensor& src, const at::Tensor& dif
   if (plan.reduced_count() > 0 && plan.channels > 0) {
     at::Tensor sum_dy = sums[0];
     at::Tensor sum_dy_xc = sums[1];
-    kernel_table().grad_sums(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan),
-                             {plan.outer, plan.channels, plan.inner},
-                             to_kernel_channels(mean, plan, accumulate_type(src.scalar_type()), 0, src),
-                             sum_dy, sum_dy_xc);
+    kernel_table().grad_sums(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), plan.extent(),
+                             mean.contiguous(), sum_dy, sum_dy_xc);
   }
   return sums;
 }
@@ -55,36 +49,11 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
   KernelOutput out = make_kernel_output(src, plan, output_allocator());
   if (src.numel() == 0) return out.result;
 
-  // diff_src = a * dy + b * (x - mean) + c with, per channel, a = g * rstd,
-  // b = -a * rstd^2 * sum_dy_xc / count and c = -a * sum_dy / count.
-  const int64_t C = plan.channels;
-  const at::Tensor gamma_d = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
-  const at::Tensor var_d = variance.contiguous();
-  const at::Tensor count_d = count.contiguous();
-  const at::Tensor sums_d = grad_sums.contiguous();
-  at::Tensor coefficients = at::empty({3, C}, src.options().dtype(at::kDouble));
-  const double* g = gamma_d.const_data_ptr<double>();
-  const double* v = var_d.const_data_ptr<double>();
-  const double* n = count_d.const_data_ptr<double>();
-  const double* sum_dy = sums_d.const_data_ptr<double>();
-  const double* sum_dy_xc = sum_dy + C;
-  double* a = coefficients.mutable_data_ptr<double>();
-  double* b = a + C;
-  double* c = b + C;
-  for (int64_t k = 0; k < C; ++k) {
-    const double rstd = 1.0 / std::sqrt(v[k] + epsilon);
-    // src is not empty, so a count below 1 means the arguments are inconsistent;
-    // it still must not divide by zero.
-    const double inv_n = n[k] >= 1 ? 1.0 / n[k] : 0.0;
-    a[k] = g[k] * rstd;
-    b[k] = -a[k] * rstd * rstd * sum_dy_xc[k] * inv_n;
-    c[k] = -a[k] * sum_dy[k] * inv_n;
-  }
-  const auto acc = accumulate_type(src.scalar_type());
-  const at::Tensor coefficients_acc = coefficients.to(acc);
+  // The coefficients (math::backward_coefficients) are derived by the kernels.
   kernel_table().grad_input(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), out.buffer,
-                            {plan.outer, plan.channels, plan.inner}, to_kernel_channels(mean, plan, acc, 0, src),
-                            coefficients_acc[0], coefficients_acc[1], coefficients_acc[2]);
+                            plan.extent(), mean.contiguous(), variance.contiguous(),
+                            to_kernel_channels(gamma, plan, at::kDouble, 1, src), count.contiguous(),
+                            grad_sums.contiguous(), epsilon);
   finish_kernel_output(out, plan);
   return out.result;
 }

@@ -3,6 +3,8 @@
 
 #include <ATen/Version.h>
 
+#include "module_functions.h"
+
 namespace torch_bn_grad::cpu {
 
 const KernelTable& kernel_table() {
@@ -19,3 +21,5 @@ const KernelTable& kernel_table() {
 }
 
 }  // namespace torch_bn_grad::cpu
+
+const char* torch_bn_grad::cpu_kernel_isa() { return cpu::kernel_table().isa; }

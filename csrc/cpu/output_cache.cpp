@@ -137,10 +137,14 @@ class OutputCache final : public c10::Allocator {
 
 c10::Allocator* output_allocator() { return &OutputCache::instance(); }
 
-OutputCacheStats output_cache_stats() { return OutputCache::instance().stats(); }
-
-void set_output_cache_limit(int64_t bytes) { OutputCache::instance().set_limit(bytes); }
-
-void empty_output_cache() { OutputCache::instance().clear(); }
-
 }  // namespace torch_bn_grad::cpu
+
+namespace torch_bn_grad {
+
+OutputCacheStats output_cache_stats() { return cpu::OutputCache::instance().stats(); }
+
+void set_output_cache_limit(int64_t bytes) { cpu::OutputCache::instance().set_limit(bytes); }
+
+void empty_output_cache() { cpu::OutputCache::instance().clear(); }
+
+}  // namespace torch_bn_grad

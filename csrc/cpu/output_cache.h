@@ -19,23 +19,12 @@
 
 #include <cstdint>
 
+#include "module_functions.h"
+
 namespace torch_bn_grad::cpu {
 
-struct OutputCacheStats {
-  int64_t limit_bytes;   // most idle bytes kept
-  int64_t idle_bytes;    // freed blocks waiting for reuse
-  int64_t idle_blocks;
-  int64_t hits;          // outputs served from an idle block
-  int64_t misses;        // cacheable outputs that needed a new block
-};
-
-// The allocator of the CPU operators' outputs.
+// The allocator of the CPU operators' outputs. Its counters and limit are
+// reached through module_functions.h.
 c10::Allocator* output_allocator();
-
-OutputCacheStats output_cache_stats();
-// Frees idle blocks beyond the new limit.
-void set_output_cache_limit(int64_t bytes);
-// Frees every idle block (blocks in use are unaffected).
-void empty_output_cache();
 
 }  // namespace torch_bn_grad::cpu

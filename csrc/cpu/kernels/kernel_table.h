@@ -2,27 +2,19 @@
 // set (csrc/cpu/kernels/*.cpp, see setup.py); `kernel_table()` returns the
 // copy that matches the running CPU (at::get_cpu_capability()).
 //
-// Every data tensor is a contiguous [outer, channels, inner] array. Per-channel
-// tensors are contiguous float64 vectors, except the inputs of the
-// primitives marked "acc", which are of the accumulation type (float64 for
-// float64 data, float32 otherwise).
+// Every data tensor is a contiguous [outer, channels, inner] array (Extent).
+// Per-channel tensors are contiguous float64 vectors.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <cstdint>
+#include "extent.h"
 
 namespace torch_bn_grad::cpu {
 
-struct Extent {
-  int64_t outer;
-  int64_t channels;
-  int64_t inner;
-};
-
 struct KernelTable {
   // Training forward: batch mean and biased variance (written to mean, var),
-  // then dst = (src - mean) * gamma * rstd + beta.
+  // then dst = scale * (src - mean) + shift.
   void (*forward_batch)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& gamma,
                         const at::Tensor& beta, double epsilon, at::Tensor& mean, at::Tensor& var);
   // Forward with given statistics.
@@ -37,15 +29,17 @@ struct KernelTable {
                    at::Tensor& diff_beta);
 
   // Primitives for split-stage algorithms (statistics across processes).
-  // Batch mean and biased variance of each channel.
-  void (*batch_stats)(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::Tensor& var);
-  // sum_dy = sum(diff_dst), sum_dy_xc = sum(diff_dst * (src - mean)) in one pass; mean "acc".
+  // Batch mean and centred second moment m2 of each channel.
+  void (*batch_moments)(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::Tensor& m2);
+  // sum_dy = sum(diff_dst), sum_dy_xc = sum(diff_dst * (src - mean)) in one pass.
   void (*grad_sums)(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e,
                     const at::Tensor& mean, at::Tensor& sum_dy, at::Tensor& sum_dy_xc);
-  // diff_src = a * diff_dst + b * (src - mean) + c; mean, a, b, c "acc".
+  // The training diff_src from whole-batch statistics: `count` elements per
+  // channel and grad_sums' rows (sum_dy, sum_dy_xc) summed over the batch.
   void (*grad_input)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src,
-                     const Extent& e, const at::Tensor& mean, const at::Tensor& a,
-                     const at::Tensor& b, const at::Tensor& c);
+                     const Extent& e, const at::Tensor& mean, const at::Tensor& var,
+                     const at::Tensor& gamma, const at::Tensor& count, const at::Tensor& grad_sums,
+                     double epsilon);
   const char* isa;
 };
 

@@ -1,0 +1,78 @@
+// Exact (compensated) summation and the exact centre of the CPU statistics.
+//
+// Every block sum is compensated: vector lanes of the accumulation type
+// (float32 for float32/float16/bfloat16 data, float64 for float64) carry the
+// exact rounding error of each add (TwoSum) alongside the sum. Terms first go
+// into short plain runs of kRowRun (a few roundings of a small partial sum),
+// and each run is added exactly, so a block's sum is within a few units of the
+// run sums' rounding of a float64 sum. A plain float32 lane would be off by
+// about sqrt(k) roundings after k terms: several units in the last place of
+// diff_beta, or of the mean of zero-mean data. The runs keep the
+// compensation's cost at a fraction of an add per term.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+// Terms summed plainly in registers before one compensated add (a channel's
+// rows in the row kernels, a chain's chunks in the plane kernels): an 8-term
+// plain sum loses far less than the sqrt(n) drift the compensation prevents,
+// at an eighth of its cost.
+constexpr int64_t kRowRun = 8;
+
+// sum += x, with the exact rounding error of the add collected in err (Knuth's
+// TwoSum), for vectors and scalars alike.
+template <typename V>
+inline void add_exact(V& sum, V& err, const V& x) {
+  const V t = sum + x;
+  const V z = t - sum;
+  err = err + ((sum - (t - z)) + (x - z));
+  sum = t;
+}
+
+// The same for non-negative terms with half the adds (Dekker's Fast2Sum, exact
+// when sum >= x, which can fail only while the first terms come in).
+template <typename V>
+inline void add_exact_nonnegative(V& sum, V& err, const V& x) {
+  const V t = sum + x;
+  err = err + (x - (t - sum));
+  sum = t;
+}
+
+// sum + err of each lane, in float64.
+template <typename acc_t>
+inline void lanes_to_double(const at::vec::Vectorized<acc_t>& sum, const at::vec::Vectorized<acc_t>& err,
+                            double* out) {
+  constexpr int64_t W = at::vec::Vectorized<acc_t>::size();
+  alignas(64) acc_t s[W];
+  alignas(64) acc_t r[W];
+  sum.store(s);
+  err.store(r);
+  for (int64_t i = 0; i < W; ++i) out[i] = static_cast<double>(s[i]) + static_cast<double>(r[i]);
+}
+
+// The statistics' second pass centre: the block mean rounded to a multiple of
+// the acc_t spacing at the block's largest magnitude. Every element is a
+// multiple of that spacing or finer, so d = x - centre is exact in acc_t (bar
+// rare ties that round to even): sum(d^2) carries no rounding bias from the
+// centre's low bits, and a centre this close to the mean costs nothing in
+// cancellation. math::centred_moments turns the two sums into moments.
+template <typename acc_t>
+inline acc_t exact_centre(double mean, double max_abs) {
+  if (!std::isfinite(mean) || !std::isfinite(max_abs) || max_abs == 0) return static_cast<acc_t>(mean);
+  int exponent = 0;
+  std::frexp(max_abs, &exponent);  // max_abs = f * 2^exponent, f in [0.5, 1)
+  const double spacing = std::ldexp(1.0, exponent - std::numeric_limits<acc_t>::digits);
+  return static_cast<acc_t>(std::round(mean / spacing) * spacing);
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,142 @@
+// The deterministic partition of the CPU kernels' work into blocks, how the
+// blocks are scheduled on threads, and the per-block partials they leave.
+//
+// The reduction of each channel is cut into blocks whose boundaries depend on
+// the shape alone (never on the thread count). Each block is reduced by one
+// thread, and the per-block partials are combined in block order in float64,
+// so results are bitwise identical whatever the number of threads or the
+// schedule.
+//
+// With inner > 1 ("planes", plane_kernels.h) a block is one channel over a
+// range of outer rows and a range of inner positions; with inner == 1
+// ("rows", row_kernels.h) a block is a range of rows over a range of channels.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "batch_norm_math.h"
+#include "extent.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+// Elements per planes block: small enough to stay in L1/L2 between the two
+// statistics passes.
+constexpr int64_t kBlockElements = 16384;
+// Channels per rows block (per-column accumulators), and that block's target
+// size: larger, so that the per-channel work of a block (its centre, its
+// partials) is spread over at least 256 rows, while x and dy of a block still
+// fit in L2 together.
+constexpr int64_t kColumnBlock = 256;
+constexpr int64_t kRowBlockElements = 65536;
+
+struct Blocks {
+  bool planes;
+  int64_t outer_step, n_outer;
+  int64_t span_step, n_span;  // planes: inner positions; rows: channels
+  int64_t total;
+
+  explicit Blocks(const Extent& e) : planes(e.inner > 1) {
+    if (planes) {
+      n_span = ceil_div(e.inner, kBlockElements);
+      span_step = ceil_div(e.inner, n_span);
+      outer_step = std::max<int64_t>(1, kBlockElements / span_step);
+      n_outer = ceil_div(e.outer, outer_step);
+      total = e.channels * n_outer * n_span;
+    } else {
+      span_step = std::max<int64_t>(1, std::min(e.channels, kColumnBlock));
+      n_span = ceil_div(e.channels, span_step);
+      outer_step = std::max<int64_t>(1, kRowBlockElements / span_step);
+      n_outer = ceil_div(e.outer, outer_step);
+      total = n_outer * n_span;
+    }
+  }
+  // Partials per channel, combined in this order.
+  int64_t per_channel() const { return planes ? n_outer * n_span : n_outer; }
+};
+
+// One block's coordinates.
+struct Block {
+  int64_t o0, o1;   // outer rows
+  int64_t s0, s1;   // planes: inner range; rows: channel range
+  int64_t channel;  // planes only
+  int64_t slot;     // index among the partials of its channel(s)
+};
+
+inline Block block_at(const Blocks& b, const Extent& e, int64_t id) {
+  Block blk{};
+  int64_t oc, sc;
+  if (b.planes) {
+    blk.channel = id / (b.n_outer * b.n_span);
+    blk.slot = id % (b.n_outer * b.n_span);
+    oc = blk.slot / b.n_span;
+    sc = blk.slot % b.n_span;
+    blk.s0 = sc * b.span_step;
+    blk.s1 = std::min(e.inner, blk.s0 + b.span_step);
+  } else {
+    oc = id / b.n_span;
+    sc = id % b.n_span;
+    blk.slot = oc;
+    blk.s0 = sc * b.span_step;
+    blk.s1 = std::min(e.channels, blk.s0 + b.span_step);
+  }
+  blk.o0 = oc * b.outer_step;
+  blk.o1 = std::min(e.outer, blk.o0 + b.outer_step);
+  return blk;
+}
+
+// Runs f on every block in parallel. Threads get the same contiguous ranges of
+// blocks on every call; `reverse` walks each range backwards, starting with
+// the blocks the thread read last, which are still in its cache.
+template <typename F>
+void for_each_block(const Blocks& b, const Extent& e, bool reverse, const F& f) {
+  at::parallel_for(0, b.total, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) f(block_at(b, e, reverse ? begin + end - 1 - i : i));
+  });
+}
+
+// Both passes of an operator per channel (reduce, then apply while the
+// channel is still in the thread's L2) when channels are outermost and there
+// are enough of them to keep every thread busy.
+inline bool per_channel_strategy(const Blocks& b, const Extent& e) {
+  const int64_t threads = at::get_num_threads();
+  return b.planes && threads > 0 && (e.channels % threads == 0 || e.channels >= 8 * threads);
+}
+
+// Runs reduce(block) on each block of a channel, then finish(channel), then
+// apply(block) on its blocks in reverse, one channel at a time per thread.
+template <typename Reduce, typename Finish, typename Apply>
+void for_each_channel(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
+                      const Apply& apply) {
+  const int64_t per = b.per_channel();
+  at::parallel_for(0, e.channels, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      for (int64_t i = 0; i < per; ++i) reduce(block_at(b, e, k * per + i));
+      finish(k);
+      for (int64_t i = per - 1; i >= 0; --i) apply(block_at(b, e, k * per + i));
+    }
+  });
+}
+
+// Per-block partials of every channel, `per` a channel, in merge order.
+template <typename S>
+struct Partials {
+  int64_t per;
+  std::vector<S> slots;
+  Partials(int64_t channels, int64_t per_channel) : per(per_channel), slots(channels * per_channel) {}
+  S& at(int64_t channel, int64_t slot) { return slots[channel * per + slot]; }
+  // A channel's partials merged in order (math::merge), from `empty`.
+  S merged(int64_t channel, S empty) const {
+    for (int64_t i = channel * per; i < (channel + 1) * per; ++i) empty = math::merge(empty, slots[i]);
+    return empty;
+  }
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

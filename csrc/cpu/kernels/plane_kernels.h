@@ -1,0 +1,243 @@
+// The plane kernels: one block of a channel whose rows are `inner` (> 1)
+// contiguous elements (partition.h), reduced or transformed with that
+// channel's values as vector constants. Independent accumulator chains hide
+// the latency of the compensated adds (exact_sum.h); short rows are
+// prefetched explicitly.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "batch_norm_math.h"
+#include "cpu/kernels/exact_sum.h"
+#include "cpu/kernels/partition.h"
+#include "cpu/kernels/vec_io.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+// A row (one channel's inner positions in one outer row) shorter than this is
+// too short for the hardware prefetchers, which follow streams within a page:
+// rows of a channel are channels * inner elements apart, so each row would
+// start with cache misses paid at full latency. The row kPrefetchAhead rows on
+// is requested explicitly instead.
+constexpr int64_t kPrefetchRowBytes = 4096;
+constexpr int64_t kPrefetchAhead = 12;
+
+template <typename T>
+struct PlaneKernels {
+  using IO = Io<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
+  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+
+  // Independent accumulator chains hide the latency of the dependent
+  // compensated adds; chunk i of a run feeds group i % kGroups (a fixed
+  // assignment, so the result does not depend on anything but the shape).
+  static constexpr int kGroups = P >= 4 ? 1 : 4 / P;
+  static constexpr int kChains = kGroups * P;
+
+  // Sums of N kinds of terms over a planes block: each chain adds its terms
+  // plainly into `run` and, every kRowRun terms or so, moves the run into the
+  // compensated `sum`/`err` pair (as the row kernels do per channel).
+  template <int N>
+  struct Sums {
+    Vec sum[N][kChains], err[N][kChains], run[N][kChains];
+    Sums() {
+      for (int n = 0; n < N; ++n)
+        for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = run[n][c] = Vec(acc_t(0));
+    }
+    // Moves every run into its compensated sum; kNonNegative when all terms
+    // are >= 0 (the cheaper add_exact_nonnegative is then exact).
+    template <bool kNonNegative = false>
+    void flush() {
+      for (int n = 0; n < N; ++n)
+        for (int c = 0; c < kChains; ++c) {
+          if constexpr (kNonNegative) add_exact_nonnegative(sum[n][c], err[n][c], run[n][c]);
+          else add_exact(sum[n][c], err[n][c], run[n][c]);
+          run[n][c] = Vec(acc_t(0));
+        }
+    }
+    double total(int n) const {
+      double lanes[W];
+      double t = 0;
+      for (int c = 0; c < kChains; ++c) {
+        lanes_to_double(sum[n][c], err[n][c], lanes);
+        for (int64_t i = 0; i < W; ++i) t += lanes[i];
+      }
+      return t;
+    }
+  };
+
+  // Chain indices and full-chunk lane counts are passed as compile-time
+  // constants, so that the accumulators stay in registers.
+  template <int C>
+  static constexpr std::integral_constant<int, C> chain{};
+  static constexpr std::integral_constant<int64_t, K> full{};
+
+  // Calls chunk(offset, chain base, lanes) for every chunk of every row of a
+  // planes block (lanes < K only for a row's last, partial chunk), spreading a
+  // row's chunks over the kGroups chain groups, and flush() whenever a chain
+  // may have taken kRowRun plain terms. The schedule depends on the shape only.
+  // Short rows of `a` and `b` (b may be null) are prefetched ahead.
+  // Always inlined, so that the accumulators the chunk and flush lambdas
+  // update stay in registers (GCC would otherwise keep large instances out
+  // of line, which costs the plane kernels 10-20%).
+  template <typename Chunk, typename Flush>
+  C10_ALWAYS_INLINE static void walk_plane_rows(const Extent& e, const Block& blk, const T* a, const T* b, const Chunk& chunk,
+                              const Flush& flush) {
+    constexpr int64_t kSegment = kRowRun * kGroups * K;
+    const int64_t n = blk.s1 - blk.s0;
+    const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
+    int64_t pending = 0;  // most plain terms any chain holds
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const int64_t row = (o * e.channels + blk.channel) * e.inner + blk.s0;
+      if (prefetch && o + kPrefetchAhead < blk.o1) {
+        const int64_t ahead = row + kPrefetchAhead * e.channels * e.inner;
+        prefetch_lines<false>(a + ahead, n);
+        if (b) prefetch_lines<false>(b + ahead, n);
+      }
+      int64_t j = 0;
+      for (; j + kSegment <= n; j += kSegment) {
+        for (int64_t r = 0; r < kRowRun; ++r)
+          static_for<kGroups>([&](auto g) { chunk(row + j + (r * kGroups + g) * K, chain<g * P>, full); });
+        flush();
+        pending = 0;
+      }
+      int64_t i = 0;  // chunk i of the rest goes to group i % kGroups
+      while (j < n) {
+        static_for<kGroups>([&](auto g) {
+          if (j < n) {
+            chunk(row + j, chain<g * P>, std::min(K, n - j));
+            j += K;
+            ++i;
+          }
+        });
+      }
+      pending += ceil_div(i, kGroups);
+      if (pending >= kRowRun) {
+        flush();
+        pending = 0;
+      }
+    }
+    flush();
+  }
+
+  static acc_t max_lane(const Vec& v) {
+    alignas(64) acc_t lanes[W];
+    v.store(lanes);
+    return *std::max_element(lanes, lanes + W);
+  }
+
+  // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
+  // max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
+  static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
+    const int64_t k = blk.channel, n = blk.s1 - blk.s0;
+    Sums<1> sx;
+    Vec max_v[kChains];
+    for (auto& m : max_v) m = Vec(acc_t(0));
+    // Zero-filled lanes of a partial chunk add nothing to the sum or the max.
+    // Every term is added exactly (no plain runs): the mean must be right to
+    // well within half a unit of its float32 rounding.
+    walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, auto c, auto lanes) {
+      Vec v[P];
+      if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+      for (int q = 0; q < P; ++q) {
+        add_exact(sx.sum[0][c + q], sx.err[0][c + q], v[q]);
+        max_v[c + q] = at::vec::maximum(max_v[c + q], v[q].abs());
+      }
+    }, [] {});
+    acc_t max_abs = 0;
+    for (const auto& m : max_v) max_abs = std::max(max_abs, max_lane(m));
+    const double count = static_cast<double>((blk.o1 - blk.o0) * n);
+    const double sum_x = sx.total(0);
+    const acc_t centre = exact_centre<acc_t>(sum_x / count, max_abs);
+    const Vec cv(centre), zero(acc_t(0));
+    Sums<1> sd;
+    walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, auto c, auto lanes) {
+      Vec v[P];
+      if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+      for (int q = 0; q < P; ++q) {
+        Vec d = v[q] - cv;
+        // Lanes past the row must not add (0 - centre)^2.
+        if (lanes < K) d = Vec::set(zero, d, std::clamp<int64_t>(lanes - q * W, 0, W));
+        sd.run[0][c + q] = at::vec::fmadd(d, d, sd.run[0][c + q]);
+      }
+    }, [&] { sd.template flush<true>(); });
+    out.at(k, blk.slot) = math::centred_moments(count, sum_x, centre, sd.total(0));
+  }
+
+  // The block's exact sum(dy) and sum(dy * (x - mean)).
+  static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
+                        Partials<math::GradSums<double>>& out) {
+    const int64_t k = blk.channel;
+    const Vec m(mean[k]);
+    Sums<2> st;
+    // Zero-filled dy lanes of a partial chunk add nothing to either sum.
+    walk_plane_rows(e, blk, x, dy, [&](int64_t off, auto c, auto lanes) {
+      Vec xv[P], dv[P];
+      if (lanes == K) {
+        IO::load(dy + off, dv);
+        IO::load(x + off, xv);
+      } else {
+        IO::load_partial(dy + off, lanes, dv);
+        IO::load_partial(x + off, lanes, xv);
+      }
+      for (int q = 0; q < P; ++q) {
+        st.run[0][c + q] = st.run[0][c + q] + dv[q];
+        st.run[1][c + q] = at::vec::fmadd(dv[q], xv[q] - m, st.run[1][c + q]);
+      }
+    }, [&] { st.flush(); });
+    out.at(k, blk.slot) = {st.total(0), st.total(1)};
+  }
+
+  // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
+  // null (the forward's normalization, dy_scale unused).
+  static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                     const math::AffineArrays<acc_t>& c) {
+    const int64_t C = e.channels, I = e.inner;
+    Vec xv[P], yv[P];
+    const int64_t k = blk.channel;
+    const Vec m(c.mean[k]), xs(c.x_scale[k]), b(c.bias[k]), ys(y ? c.dy_scale[k] : acc_t(0));
+    const int64_t n = blk.s1 - blk.s0;
+    const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const int64_t off = (o * C + k) * I;
+      if (prefetch && o + kPrefetchAhead < blk.o1) {
+        const int64_t ahead = off + kPrefetchAhead * C * I + blk.s0;
+        prefetch_lines<false>(x + ahead, n);
+        if (y) prefetch_lines<false>(y + ahead, n);
+        prefetch_lines<true>(out + ahead, n);
+      }
+      int64_t j = blk.s0;
+      for (; j + K <= blk.s1; j += K) {
+        IO::load(x + off + j, xv);
+        if (y) IO::load(y + off + j, yv);
+        for (int q = 0; q < P; ++q) {
+          xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
+          if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
+        }
+        IO::store(out + off + j, xv);
+      }
+      if (j < blk.s1) {
+        const int64_t rest = blk.s1 - j;
+        IO::load_partial(x + off + j, rest, xv);
+        if (y) IO::load_partial(y + off + j, rest, yv);
+        for (int q = 0; q < P; ++q) {
+          xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
+          if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
+        }
+        IO::store_partial(out + off + j, rest, xv);
+      }
+    }
+  }
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

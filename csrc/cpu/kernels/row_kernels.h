@@ -1,0 +1,201 @@
+// The row kernels: blocks of rows over up to kColumnBlock channels when
+// channels are innermost (inner == 1, partition.h). A block is walked row by
+// row (contiguous memory) with vector lanes running across channels, and each
+// channel's compensated sums (exact_sum.h) kept in L1.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "batch_norm_math.h"
+#include "cpu/kernels/exact_sum.h"
+#include "cpu/kernels/partition.h"
+#include "cpu/kernels/vec_io.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+template <typename T>
+struct RowKernels {
+  using IO = Io<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
+  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+
+  // Compensated per-channel accumulators of a block, in L1.
+  struct ColumnSums {
+    alignas(64) acc_t sum[kColumnBlock];
+    alignas(64) acc_t err[kColumnBlock];
+    explicit ColumnSums(int64_t n) {
+      std::fill(sum, sum + n, acc_t(0));
+      std::fill(err, err + n, acc_t(0));
+    }
+    void add(int64_t j, const Vec& v) {
+      Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
+      add_exact(s, r, v);
+      s.store(sum + j);
+      r.store(err + j);
+    }
+    void add_nonnegative(int64_t j, const Vec& v) {
+      Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
+      add_exact_nonnegative(s, r, v);
+      s.store(sum + j);
+      r.store(err + j);
+    }
+    void add(int64_t j, acc_t v) { add_exact(sum[j], err[j], v); }
+    double value(int64_t j) const { return static_cast<double>(sum[j]) + static_cast<double>(err[j]); }
+  };
+
+  // The block's (count, mean, m2) partial of each of its channels: pass 1
+  // takes the exact sums of x and max |x|, pass 2 (block in cache) the exact
+  // sums of (x - centre)^2.
+  static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
+    const int64_t C = e.channels;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    const double count = static_cast<double>(blk.o1 - blk.o0);
+    ColumnSums sx(nc);
+    alignas(64) acc_t max_abs[kColumnBlock];
+    alignas(64) acc_t centre[kColumnBlock];
+    std::fill(max_abs, max_abs + nc, acc_t(0));
+    Vec v[P];
+    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
+      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
+      for (int64_t j = 0; j < vec_end; j += K) {
+        Vec a[P], mx[P];
+        for (int q = 0; q < P; ++q) {
+          a[q] = Vec(acc_t(0));
+          mx[q] = Vec::loadu(max_abs + j + q * W);
+        }
+        for (int64_t o = r0; o < r1; ++o) {
+          IO::load(x + o * C + c0 + j, v);
+          for (int q = 0; q < P; ++q) {
+            a[q] = a[q] + v[q];
+            mx[q] = at::vec::maximum(mx[q], v[q].abs());
+          }
+        }
+        for (int q = 0; q < P; ++q) {
+          sx.add(j + q * W, a[q]);
+          mx[q].store(max_abs + j + q * W);
+        }
+      }
+      for (int64_t o = r0; o < r1; ++o) {
+        const T* row = x + o * C + c0;
+        for (int64_t j = vec_end; j < nc; ++j) {
+          const acc_t a = static_cast<acc_t>(row[j]);
+          sx.add(j, a);
+          max_abs[j] = std::max(max_abs[j], std::abs(a));
+        }
+      }
+    }
+    for (int64_t j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sx.value(j) / count, max_abs[j]);
+    ColumnSums sd(nc);
+    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
+      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
+      for (int64_t j = 0; j < vec_end; j += K) {
+        Vec a[P], cv[P];
+        for (int q = 0; q < P; ++q) {
+          a[q] = Vec(acc_t(0));
+          cv[q] = Vec::loadu(centre + j + q * W);
+        }
+        for (int64_t o = r0; o < r1; ++o) {
+          IO::load(x + o * C + c0 + j, v);
+          for (int q = 0; q < P; ++q) {
+            const Vec d = v[q] - cv[q];
+            a[q] = at::vec::fmadd(d, d, a[q]);
+          }
+        }
+        for (int q = 0; q < P; ++q) sd.add_nonnegative(j + q * W, a[q]);
+      }
+      for (int64_t o = r0; o < r1; ++o) {
+        const T* row = x + o * C + c0;
+        for (int64_t j = vec_end; j < nc; ++j) {
+          const acc_t d = static_cast<acc_t>(row[j]) - centre[j];
+          add_exact_nonnegative(sd.sum[j], sd.err[j], d * d);
+        }
+      }
+    }
+    for (int64_t j = 0; j < nc; ++j)
+      out.at(c0 + j, blk.slot) = math::centred_moments(count, sx.value(j), centre[j], sd.value(j));
+  }
+
+  // The block's exact sum(dy) and sum(dy * (x - mean)) of each of its channels.
+  static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
+                        Partials<math::GradSums<double>>& out) {
+    const int64_t C = e.channels;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    ColumnSums sum_dy(nc), sum_dy_xc(nc);
+    Vec xv[P], dv[P];
+    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
+      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
+      for (int64_t j = 0; j < vec_end; j += K) {
+        Vec run_dy[P], run_dy_xc[P], m[P];
+        for (int q = 0; q < P; ++q) {
+          run_dy[q] = run_dy_xc[q] = Vec(acc_t(0));
+          m[q] = Vec::loadu(mean + c0 + j + q * W);
+        }
+        for (int64_t o = r0; o < r1; ++o) {
+          const int64_t off = o * C + c0 + j;
+          IO::load(dy + off, dv);
+          IO::load(x + off, xv);
+          for (int q = 0; q < P; ++q) {
+            run_dy[q] = run_dy[q] + dv[q];
+            run_dy_xc[q] = at::vec::fmadd(dv[q], xv[q] - m[q], run_dy_xc[q]);
+          }
+        }
+        for (int q = 0; q < P; ++q) {
+          sum_dy.add(j + q * W, run_dy[q]);
+          sum_dy_xc.add(j + q * W, run_dy_xc[q]);
+        }
+      }
+      for (int64_t o = r0; o < r1; ++o) {
+        const int64_t off = o * C + c0;
+        for (int64_t j = vec_end; j < nc; ++j) {
+          const acc_t d = static_cast<acc_t>(dy[off + j]);
+          sum_dy.add(j, d);
+          sum_dy_xc.add(j, d * (static_cast<acc_t>(x[off + j]) - mean[c0 + j]));
+        }
+      }
+    }
+    for (int64_t j = 0; j < nc; ++j) out.at(c0 + j, blk.slot) = {sum_dy.value(j), sum_dy_xc.value(j)};
+  }
+
+  // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
+  // null (the forward's normalization, dy_scale unused).
+  static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                     const math::AffineArrays<acc_t>& c) {
+    const int64_t C = e.channels;
+    // Local copies: the vector stores may alias anything, c's fields included.
+    const acc_t *mean = c.mean, *dy_scale = c.dy_scale, *x_scale = c.x_scale, *bias = c.bias;
+    Vec xv[P], yv[P];
+    const int64_t c0 = blk.s0, c1 = blk.s1;
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      const int64_t off = o * C;
+      int64_t j = c0;
+      for (; j + K <= c1; j += K) {
+        IO::load(x + off + j, xv);
+        if (y) IO::load(y + off + j, yv);
+        for (int q = 0; q < P; ++q) {
+          const int64_t jq = j + q * W;
+          xv[q] = at::vec::fmadd(xv[q] - Vec::loadu(mean + jq), Vec::loadu(x_scale + jq), Vec::loadu(bias + jq));
+          if (y) xv[q] = at::vec::fmadd(Vec::loadu(dy_scale + jq), yv[q], xv[q]);
+        }
+        IO::store(out + off + j, xv);
+      }
+      for (; j < c1; ++j) out[off + j] = scalar(x, y, off + j, j, c);
+    }
+  }
+
+  // One element of affine(), of channel k, at offset i.
+  static T scalar(const T* x, const T* y, int64_t i, int64_t k, const math::AffineArrays<acc_t>& c) {
+    acc_t r = (static_cast<acc_t>(x[i]) - c.mean[k]) * c.x_scale[k] + c.bias[k];
+    if (y) r += c.dy_scale[k] * static_cast<acc_t>(y[i]);
+    return static_cast<T>(r);
+  }
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,112 @@
+// CUDA implementations of the split-stage operators (see ops.cpp), like
+// csrc/cpu/batch_norm_stages_cpu.cpp: the same partial reductions and
+// elementwise pass as the fused operators, with the per-channel rows written
+// as float64 and the coefficients derived on the device from tensors (no host
+// reads). With 1-D statistics the kernel channel order is the logical one.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "batch_norm_args.h"
+#include "batch_norm_math.h"
+#include "cuda/coefficient_kernels.cuh"
+#include "cuda/launch.cuh"
+#include "extent.h"
+
+namespace torch_bn_grad::cuda {
+namespace {
+
+at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view data_format) {
+  const ChannelPlan plan = check_local_stats_args(src, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const Extent e = plan.extent();
+  at::Tensor rows = at::zeros({3, e.channels}, src.options().dtype(at::kDouble));
+  if (src.numel() == 0) return rows;
+  const at::Tensor x = to_kernel_layout(src, plan);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_local_stats_cuda", [&] {
+    using A = Acc<scalar_t>;
+    const Partials<Moments<A>> partials = moment_partials<scalar_t>(x, e);
+    stats_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
+        partials.data, partials.per_channel, e.channels, rows.mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return rows;
+}
+
+at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                     c10::string_view data_format) {
+  const ChannelPlan plan = check_grad_sums_args(src, diff_dst, mean, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const Extent e = plan.extent();
+  at::Tensor rows = at::zeros({2, e.channels}, src.options().dtype(at::kDouble));
+  if (src.numel() == 0) return rows;
+  const at::Tensor x = to_kernel_layout(src, plan);
+  const at::Tensor dy = to_kernel_layout(diff_dst, plan);
+  // The sums are taken about the mean rounded to the accumulation type, then
+  // re-centred on the given mean.
+  const at::Tensor mean_d = mean.contiguous();
+  const at::Tensor centre = mean_d.to(accumulate_type(src.scalar_type()));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_sums_cuda", [&] {
+    using A = Acc<scalar_t>;
+    const Partials<GradSums<A>> partials = grad_sum_partials<scalar_t>(x, dy, centre, e);
+    grad_sums_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
+        partials.data, partials.per_channel, mean_d.const_data_ptr<double>(), centre.const_data_ptr<A>(),
+        e.channels, rows.mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return rows;
+}
+
+at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
+                                      const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
+                                      const at::Tensor& count, const at::Tensor& grad_sums, double epsilon,
+                                      c10::string_view data_format) {
+  const ChannelPlan plan =
+      check_grad_input_args(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  KernelOutput out = make_kernel_output(src, plan);
+  if (src.numel() == 0) return out.result;
+  const auto acc = accumulate_type(src.scalar_type());
+  const Extent e = plan.extent();
+  const at::Tensor x = to_kernel_layout(src, plan);
+  const at::Tensor dy = to_kernel_layout(diff_dst, plan);
+  const at::Tensor mean_d = mean.contiguous();
+  const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+  const at::Tensor variance_d = variance.contiguous();
+  const at::Tensor count_d = count.contiguous();
+  const at::Tensor sums_d = grad_sums.contiguous();
+  const at::Tensor mean_k = channel_vector(plan, src, acc);
+  const at::Tensor dy_scale = channel_vector(plan, src, acc);
+  const at::Tensor x_scale = channel_vector(plan, src, acc);
+  const at::Tensor bias = channel_vector(plan, src, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_input_cuda", [&] {
+    using A = Acc<scalar_t>;
+    const dim3 grid(static_cast<unsigned>(ceil_div(e.channels, kThreads)));
+    const AffineOutputs<A> affine{mean_k.mutable_data_ptr<A>(), dy_scale.mutable_data_ptr<A>(),
+                                  x_scale.mutable_data_ptr<A>(), bias.mutable_data_ptr<A>()};
+    grad_input_coefficients_kernel<A><<<grid, kThreads, 0, stream()>>>(
+        mean_d.const_data_ptr<double>(), variance_d.const_data_ptr<double>(), optional_data(gamma_d),
+        count_d.const_data_ptr<double>(), sums_d.const_data_ptr<double>(), epsilon, e.channels, affine);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const math::AffineArrays<A> coef{mean_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),
+                                     x_scale.const_data_ptr<A>(), bias.const_data_ptr<A>()};
+    apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), out.buffer, e, coef);
+  });
+  finish_kernel_output(out, plan);
+  return out.result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
+  m.impl("batch_norm_local_stats", &batch_norm_local_stats_cuda);
+  m.impl("batch_norm_grad_sums", &batch_norm_grad_sums_cuda);
+  m.impl("batch_norm_grad_input", &batch_norm_grad_input_cuda);
+}
+
+}  // namespace torch_bn_grad::cuda

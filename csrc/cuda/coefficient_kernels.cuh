@@ -1,0 +1,179 @@
+// The second stage: per-channel values from the first stage's partials
+// (reduce_kernels.cuh), or from given statistics, in float64 with the formulas
+// of batch_norm_math.h (the CPU's), each rounded once. One warp per channel
+// merges its partials (merge_channel); lane 0 derives the coefficients. The
+// persistent kernels call the same store_*_coefficients functions.
+#pragma once
+
+#include <cstdint>
+
+#include "batch_norm_math.h"
+#include "cuda/block_reduce.cuh"
+#include "cuda/thread_states.cuh"
+
+namespace torch_bn_grad::cuda {
+
+// The per-channel arrays a coefficient kernel writes (math::ChannelAffine's
+// fields, of the accumulation type); a null array is not written.
+template <typename A>
+struct AffineOutputs {
+  A* mean;
+  A* dy_scale;
+  A* x_scale;
+  A* bias;
+
+  __device__ __forceinline__ void store(int64_t k, const math::ChannelAffine<A>& c) const {
+    if (mean != nullptr) mean[k] = c.mean;
+    if (dy_scale != nullptr) dy_scale[k] = c.dy_scale;
+    x_scale[k] = c.x_scale;
+    bias[k] = c.bias;
+  }
+};
+
+template <typename A>
+struct ForwardCoefficientArgs {
+  // Batch statistics: `per_channel` partials per channel. Null when frozen.
+  const Moments<A>* partials;
+  int64_t per_channel;
+  // Frozen statistics (unused with partials).
+  const double* mean;
+  const double* variance;
+  const double* gamma;  // null: 1
+  const double* beta;   // null: 0
+  double epsilon;
+  int64_t channels;
+  A* variance_out;  // batch statistics only
+  // mean (the batch statistic returned), x_scale = scale and bias = shift
+  // (math::channel_affine of math::forward_coefficients); no dy_scale.
+  AffineOutputs<A> affine;
+};
+
+// Channel k's statistics and coefficients from its mean and variance.
+template <typename A>
+__device__ __forceinline__ void store_forward_coefficients(const ForwardCoefficientArgs<A>& a, int64_t k,
+                                                           double mean, double variance) {
+  const double gamma = a.gamma != nullptr ? a.gamma[k] : 1.0;
+  const double beta = a.beta != nullptr ? a.beta[k] : 0.0;
+  if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
+  a.affine.store(k, math::channel_affine<A>(mean, math::forward_coefficients(variance, gamma, beta, a.epsilon)));
+}
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardCoefficientArgs<A> a) {
+  const int64_t k = warp_channel();
+  if (k >= a.channels) return;  // whole warps: kThreads is a multiple of kWarp
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  double mean, variance;
+  if (a.partials != nullptr) {
+    const Moments<double> m = merge_channel(a.partials, a.per_channel, k, lane);
+    mean = m.mean;
+    variance = math::variance_of(m);
+  } else {
+    mean = a.mean[k];
+    variance = a.variance[k];
+  }
+  if (lane == 0) store_forward_coefficients(a, k, mean, variance);
+}
+
+template <typename A>
+struct BackwardCoefficientArgs {
+  // `per_channel` partials per channel; null when the sums are not needed or
+  // the batch is empty (the sums are then 0).
+  const GradSums<A>* partials;
+  int64_t per_channel;
+  // The given mean, which the sums are taken about and the elementwise pass
+  // subtracts. Its dtype is at most as precise as A, so it is the exact mean:
+  // the sums need no re-centring and the bias no correction.
+  const A* mean;
+  const double* variance;
+  const double* gamma;  // null: 1
+  double epsilon;
+  int64_t channels;
+  int64_t reduced;  // elements per channel
+  bool training;
+  // dy_scale, x_scale and bias (mean unused); null arrays when diff_src is
+  // not needed.
+  AffineOutputs<A> affine;
+  double* diff_gamma;  // null when masked
+  double* diff_beta;   // null when masked
+};
+
+// Channel k's coefficients and parameter gradients from its two sums.
+template <typename A>
+__device__ __forceinline__ void store_backward_coefficients(const BackwardCoefficientArgs<A>& p, int64_t k,
+                                                            const GradSums<double>& sums) {
+  if (p.affine.x_scale != nullptr) {
+    const double gamma = p.gamma != nullptr ? p.gamma[k] : 1.0;
+    const math::BackwardCoefficients c = math::backward_coefficients(
+        p.variance[k], gamma, p.epsilon, sums, static_cast<double>(p.reduced), p.training);
+    p.affine.store(k, math::channel_affine<A>(static_cast<double>(p.mean[k]), c));
+  }
+  const math::ParameterGrads grads = math::parameter_grads(p.variance[k], p.epsilon, sums);
+  if (p.diff_gamma != nullptr) p.diff_gamma[k] = grads.diff_gamma;
+  if (p.diff_beta != nullptr) p.diff_beta[k] = grads.diff_beta;
+}
+
+template <typename A>
+__global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(BackwardCoefficientArgs<A> p) {
+  const int64_t k = warp_channel();
+  if (k >= p.channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  GradSums<double> sums{0, 0};
+  if (p.partials != nullptr) sums = merge_channel(p.partials, p.per_channel, k, lane);
+  if (lane == 0) store_backward_coefficients(p, k, sums);
+}
+
+// ------------------------------------------------------------------ split stages
+// Per-channel rows written as float64, and the coefficients derived on the
+// device from tensors (no host reads). With 1-D statistics the kernel channel
+// order is the logical one.
+
+// rows (3, channels): count, mean and m2 of each channel, from its partials.
+template <typename A>
+__global__ void __launch_bounds__(kThreads)
+    stats_rows_kernel(const Moments<A>* partials, int64_t per_channel, int64_t channels, double* rows) {
+  const int64_t k = warp_channel();
+  if (k >= channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const Moments<double> m = merge_channel(partials, per_channel, k, lane);
+  if (lane != 0) return;
+  rows[k] = static_cast<double>(m.count);
+  rows[channels + k] = m.mean;
+  rows[2 * channels + k] = m.m2;
+}
+
+// rows (2, channels): sum(dy) and sum(dy * (x - mean)) of each channel, taken
+// about `centre` (the given float64 `mean` rounded to A) and re-centred on
+// `mean`.
+template <typename A>
+__global__ void __launch_bounds__(kThreads)
+    grad_sums_rows_kernel(const GradSums<A>* partials, int64_t per_channel, const double* mean, const A* centre,
+                          int64_t channels, double* rows) {
+  const int64_t k = warp_channel();
+  if (k >= channels) return;  // whole warps
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const GradSums<double> merged = merge_channel(partials, per_channel, k, lane);
+  if (lane != 0) return;
+  const GradSums<double> s = math::recentre(merged, mean[k], static_cast<double>(centre[k]));
+  rows[k] = s.sum_dy;
+  rows[channels + k] = s.sum_dy_xc;
+}
+
+// The training diff_src's coefficients from whole-batch values (mean, biased
+// variance, element count, and the rows of grad_sums_rows_kernel summed over
+// the batch), one thread per channel.
+template <typename A>
+__global__ void __launch_bounds__(kThreads)
+    grad_input_coefficients_kernel(const double* mean, const double* variance, const double* gamma,
+                                   const double* count, const double* sums, double epsilon, int64_t channels,
+                                   AffineOutputs<A> affine) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (k >= channels) return;
+  const GradSums<double> s{sums[k], sums[channels + k]};
+  const double g = gamma != nullptr ? gamma[k] : 1.0;
+  const math::BackwardCoefficients c =
+      math::backward_coefficients(variance[k], g, epsilon, s, count[k], /*training=*/true);
+  affine.store(k, math::channel_affine<A>(mean[k], c));
+}
+
+}  // namespace torch_bn_grad::cuda

@@ -1,0 +1,200 @@
+// Host side of the CUDA operators: the launches of the kernels on the
+// current stream (c10::cuda::getCurrentCUDAStream()), with the partition and
+// vector width of launch_plan.cuh, and the per-channel tensors they take.
+// Shared by batch_norm_cuda.cu (the fused operators) and
+// batch_norm_stages_cuda.cu (the split stages).
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+
+#include "batch_norm_args.h"
+#include "batch_norm_math.h"
+#include "cuda/affine_kernels.cuh"
+#include "cuda/block_reduce.cuh"
+#include "cuda/launch_plan.cuh"
+#include "cuda/persistent_kernels.cuh"
+#include "cuda/reduce_kernels.cuh"
+#include "extent.h"
+
+namespace torch_bn_grad::cuda {
+
+inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+// Picks the partition of `e` for T and the vector width that `pointers`
+// allow, then calls planes(launch, n) or columns(launch, n), where n is a
+// std::integral_constant<int, N> and each call launches one kernel.
+template <typename T, typename OnPlanes, typename OnColumns>
+void launch_partitioned(const Extent& e, std::initializer_list<const void*> pointers,
+                        const OnPlanes& planes, const OnColumns& columns) {
+  if (use_planes<T>(e)) {
+    const int width = vector_width<T>(e.inner, pointers);
+    const PlaneLaunch l = plan_planes(e, width, sizeof(T));
+    with_vector_width<T>(width, [&](auto n) { planes(l, n); });
+  } else {
+    const int width = vector_width<T>(e.channels * e.inner, pointers);
+    const ColumnLaunch l = plan_columns(e, width, sizeof(T));
+    with_vector_width<T>(width, [&](auto n) { columns(l, n); });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The persistent counterpart: calls plane(launch, n) or columns(launch, n)
+// and returns true when the shape qualifies (plan_persistent_*), else false
+// with nothing launched.
+template <typename T, typename OnPlane, typename OnColumns>
+bool launch_persistent(const Extent& e, std::initializer_list<const void*> pointers, const OnPlane& plane,
+                       const OnColumns& columns) {
+  if (use_planes<T>(e)) {
+    const int width = vector_width<T>(e.inner, pointers);
+    const auto l = plan_persistent_plane<T>(e, width);
+    if (!l) return false;
+    with_vector_width<T>(width, [&](auto n) { plane(*l, n); });
+  } else {
+    const int width = vector_width<T>(e.channels * e.inner, pointers);
+    const auto l = plan_persistent_columns<T>(e, width);
+    if (!l) return false;
+    with_vector_width<T>(width, [&](auto n) { columns(*l, n); });
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+template <typename T>
+using Acc = at::opmath_type<T>;
+
+// First-stage results: `per_channel` objects per channel, each channel's
+// contiguous, in uninitialized device storage.
+template <typename S>
+struct Partials {
+  at::Tensor storage;
+  S* data = nullptr;
+  int64_t per_channel = 0;
+
+  Partials() = default;
+  Partials(int64_t channels, int64_t per_channel, const at::Tensor& like)
+      : storage(at::empty({channels * per_channel * static_cast<int64_t>(sizeof(S))},
+                          like.options().dtype(at::kByte))),
+        data(reinterpret_cast<S*>(storage.mutable_data_ptr())),
+        per_channel(per_channel) {}
+};
+
+template <typename T>
+Partials<Moments<Acc<T>>> moment_partials(const at::Tensor& x, const Extent& e) {
+  const T* xp = x.const_data_ptr<T>();
+  Partials<Moments<Acc<T>>> p;
+  launch_partitioned<T>(
+      e, {xp},
+      [&](const PlaneLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        plane_moments_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data);
+      },
+      [&](const ColumnLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        column_moments_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data);
+      });
+  return p;
+}
+
+template <typename T>
+Partials<GradSums<Acc<T>>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy,
+                                             const at::Tensor& mean, const Extent& e) {
+  const T* xp = x.const_data_ptr<T>();
+  const T* dp = dy.const_data_ptr<T>();
+  const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
+  Partials<GradSums<Acc<T>>> p;
+  launch_partitioned<T>(
+      e, {xp, dp},
+      [&](const PlaneLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        plane_grad_sums_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data);
+      },
+      [&](const ColumnLaunch& l, auto n) {
+        p = {e.channels, l.partials_per_channel(), x};
+        column_grad_sums_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data);
+      });
+  return p;
+}
+
+// out = dy_scale * y + x_scale * (x - mean) + bias; y is null in the forward.
+template <typename T, bool kHasY>
+void apply_affine(const at::Tensor& x, const T* y, const at::Tensor& out, const Extent& e,
+                  const math::AffineArrays<Acc<T>>& c) {
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  launch_partitioned<T>(
+      e, {xp, y, op},
+      [&](const PlaneLaunch& l, auto n) {
+        plane_affine_kernel<T, decltype(n)::value, kHasY><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c);
+      },
+      [&](const ColumnLaunch& l, auto n) {
+        column_affine_kernel<T, decltype(n)::value, kHasY><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c);
+      });
+}
+
+// The training forward in one kernel (statistics, coefficients, output) when
+// the shape qualifies; false, with nothing launched, otherwise.
+template <typename T>
+bool persistent_forward(const at::Tensor& x, const at::Tensor& out, const Extent& e,
+                        const ForwardCoefficientArgs<Acc<T>>& args) {
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  return launch_persistent<T>(
+      e, {xp, op},
+      [&](const PersistentLaunch<PersistentPlane>& l, auto n) {
+        plane_persistent_forward_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+      },
+      [&](const PersistentLaunch<PersistentColumns>& l, auto n) {
+        column_persistent_forward_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+      });
+}
+
+// The training backward's sums, coefficients, parameter gradients and (unless
+// `out` is null) diff_src in one kernel when the shape qualifies; false, with
+// nothing launched, otherwise.
+template <typename T>
+bool persistent_backward(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean, T* out,
+                         const Extent& e, const BackwardCoefficientArgs<Acc<T>>& args) {
+  const T* xp = x.const_data_ptr<T>();
+  const T* dp = dy.const_data_ptr<T>();
+  const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
+  return launch_persistent<T>(
+      e, {xp, dp, out},
+      [&](const PersistentLaunch<PersistentPlane>& l, auto n) {
+        plane_persistent_backward_kernel<T, decltype(n)::value>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
+      },
+      [&](const PersistentLaunch<PersistentColumns>& l, auto n) {
+        column_persistent_backward_kernel<T, decltype(n)::value>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
+      });
+}
+
+inline dim3 channel_warps_grid(int64_t channels) {
+  const int64_t blocks = ceil_div(channels, kChannelsPerBlock);
+  TORCH_CHECK(blocks <= kMaxGridX, "batch_norm (CUDA): too many channels (", channels, ")");
+  return dim3(static_cast<unsigned>(blocks));
+}
+
+inline const double* optional_data(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<double>() : nullptr;
+}
+
+inline at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like, at::ScalarType dtype) {
+  return at::empty({plan.channels}, like.options().dtype(dtype));
+}
+
+// A per-channel float64 vector in kernel order, or undefined when `t` is absent.
+inline at::Tensor optional_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
+                             const at::Tensor& like) {
+  return t.has_value() ? to_kernel_channels(t, plan, at::kDouble, 0, like) : at::Tensor();
+}
+
+}  // namespace torch_bn_grad::cuda

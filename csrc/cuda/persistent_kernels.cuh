@@ -1,0 +1,164 @@
+// The persistent single-read variant of the training forward and backward:
+// one kernel per operator for a block's worth of data (plan_persistent_*):
+// load once into registers, reduce in the block in a fixed order, derive the
+// coefficients with the second stage's code (its argument structs, partials
+// unused), and write the output from the registers. Those coefficients go to
+// the global per-channel vectors, and the block reads them back after a
+// __syncthreads(), which makes the writes visible to all of its threads.
+// Each thread issues all of its loads before any arithmetic, so that they are
+// in flight together.
+#pragma once
+
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+
+#include "batch_norm_math.h"
+#include "cuda/affine_kernels.cuh"
+#include "cuda/block_reduce.cuh"
+#include "cuda/coefficient_kernels.cuh"
+#include "cuda/launch_plan.cuh"
+#include "cuda/partition.cuh"
+#include "cuda/thread_states.cuh"
+#include "cuda/vector_io.cuh"
+
+namespace torch_bn_grad::cuda {
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    plane_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentPlane h,
+                                    ForwardCoefficientArgs<at::opmath_type<T>> a) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ Moments<A> shared[kThreads / kWarp];
+  const int64_t k = blockIdx.x;
+  A xs[R][N];
+  LaneMoments<A, N> lanes{};
+  for_each_held<R>(h, [&](int r, int64_t v) { load<N>(x + v * N, xs[r]); });
+  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r]); });
+  const Moments<A> m = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0) store_forward_coefficients(a, k, m.mean, math::variance_of(m));
+  __syncthreads();
+  const A mean = a.affine.mean[k], x_scale = a.affine.x_scale[k], bias = a.affine.bias[k];
+  for_each_held<R>(h, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, false>(xs[r][j], A(0), mean, A(0), x_scale, bias);
+    store<N>(out + v * N, res);
+  });
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    column_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentColumns h,
+                                     ForwardCoefficientArgs<at::opmath_type<T>> a) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ LaneMoments<A, N> shared[kThreads / 2];
+  const int64_t column = owned_column();
+  const bool owner = column < h.columns;
+  A xs[R][N];
+  LaneMoments<A, N> lanes{};
+  if (owner) {
+    for_each_held<R>(h, column, [&](int r, int64_t v) { load<N>(x + v * N, xs[r]); });
+    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r]); });
+  }
+  column_reduce(lanes, shared);
+  if (owner && threadIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const Moments<A> m = lane(lanes, j);
+      store_forward_coefficients(a, column * N + j, m.mean, math::variance_of(m));
+    }
+  }
+  __syncthreads();
+  if (!owner) return;
+  A mean[N], x_scale[N], bias[N];
+  load_columns(a.affine.mean, column, mean);
+  load_columns(a.affine.x_scale, column, x_scale);
+  load_columns(a.affine.bias, column, bias);
+  for_each_held<R>(h, column, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, false>(xs[r][j], A(0), mean[j], A(0), x_scale[j], bias[j]);
+    store<N>(out + v * N, res);
+  });
+}
+
+// `out` is null when only the parameters' gradients are wanted.
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    plane_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                     const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
+                                     PersistentPlane h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ GradSums<A> shared[kThreads / kWarp];
+  const int64_t k = blockIdx.x;
+  A m[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) m[j] = mean[k];
+  A xs[R][N], ds[R][N];
+  LaneGradSums<A, N> lanes{};
+  for_each_held<R>(h, [&](int r, int64_t v) {
+    load<N>(x + v * N, xs[r]);
+    load<N>(dy + v * N, ds[r]);
+  });
+  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
+  const GradSums<A> s = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0) store_backward_coefficients(p, k, GradSums<double>{s.sum_dy, s.sum_dy_xc});
+  if (out == nullptr) return;
+  __syncthreads();
+  const A dy_scale = p.affine.dy_scale[k], x_scale = p.affine.x_scale[k], bias = p.affine.bias[k];
+  for_each_held<R>(h, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], dy_scale, x_scale, bias);
+    store<N>(out + v * N, res);
+  });
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    column_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                      const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
+                                      PersistentColumns h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
+  using A = at::opmath_type<T>;
+  constexpr int R = kPersistentItems<T> / N;
+  __shared__ LaneGradSums<A, N> shared[kThreads / 2];
+  const int64_t column = owned_column();
+  const bool owner = column < h.columns;
+  A m[N] = {}, xs[R][N], ds[R][N];
+  LaneGradSums<A, N> lanes{};
+  if (owner) {
+    load_columns(mean, column, m);
+    for_each_held<R>(h, column, [&](int r, int64_t v) {
+      load<N>(x + v * N, xs[r]);
+      load<N>(dy + v * N, ds[r]);
+    });
+    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
+  }
+  column_reduce(lanes, shared);
+  if (owner && threadIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const GradSums<A> s = lane(lanes, j);
+      store_backward_coefficients(p, column * N + j, GradSums<double>{s.sum_dy, s.sum_dy_xc});
+    }
+  }
+  if (out == nullptr) return;
+  __syncthreads();
+  if (!owner) return;
+  A dy_scale[N], x_scale[N], bias[N];
+  load_columns(p.affine.dy_scale, column, dy_scale);
+  load_columns(p.affine.x_scale, column, x_scale);
+  load_columns(p.affine.bias, column, bias);
+  for_each_held<R>(h, column, [&](int r, int64_t v) {
+    A res[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], dy_scale[j], x_scale[j], bias[j]);
+    store<N>(out + v * N, res);
+  });
+}
+
+}  // namespace torch_bn_grad::cuda

@@ -1,0 +1,113 @@
+// The first stage of the two-kernel path: each block reduces its split of
+// the data (partition.cuh) to partials, each thread accumulating its values
+// (thread_states.cuh) before the block merges them (block_reduce.cuh). The
+// second stage (coefficient_kernels.cuh) merges each channel's partials.
+//
+// Partials are stored so that each channel's are contiguous: planes at
+// k * splits + s, columns at (k * inner + i) * row_splits + r.
+#pragma once
+
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+
+#include "cuda/block_reduce.cuh"
+#include "cuda/partition.cuh"
+#include "cuda/thread_states.cuh"
+#include "cuda/vector_io.cuh"
+
+namespace torch_bn_grad::cuda {
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    plane_moments_kernel(const T* __restrict__ x, PlaneGrid g, Moments<at::opmath_type<T>>* partials) {
+  using A = at::opmath_type<T>;
+  __shared__ Moments<A> shared[kThreads / kWarp];
+  LaneMoments<A, N> lanes{};
+  for_each_in_split(g, [&](int64_t v) {
+    A xv[N];
+    load<N>(x + v * N, xv);
+    add(lanes, xv);
+  });
+  const Moments<A> m = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    partials[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = m;
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    column_moments_kernel(const T* __restrict__ x, ColumnGrid g, Moments<at::opmath_type<T>>* partials) {
+  using A = at::opmath_type<T>;
+  __shared__ LaneMoments<A, N> shared[kThreads / 2];
+  const int64_t column = owned_column();
+  LaneMoments<A, N> lanes{};
+  if (column < g.columns) {
+    for_each_row(g, column, [&](int64_t v) {
+      A xv[N];
+      load<N>(x + v * N, xv);
+      add(lanes, xv);
+    });
+  }
+  column_reduce(lanes, shared);
+  if (threadIdx.y == 0 && column < g.columns) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      partials[(column * N + j) * gridDim.y + blockIdx.y] = lane(lanes, j);
+    }
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    plane_grad_sums_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                           const at::opmath_type<T>* __restrict__ mean, PlaneGrid g,
+                           GradSums<at::opmath_type<T>>* partials) {
+  using A = at::opmath_type<T>;
+  __shared__ GradSums<A> shared[kThreads / kWarp];
+  A m[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) m[j] = mean[blockIdx.x];
+  LaneGradSums<A, N> lanes{};
+  for_each_in_split(g, [&](int64_t v) {
+    A xv[N], dv[N];
+    load<N>(x + v * N, xv);
+    load<N>(dy + v * N, dv);
+    add(lanes, xv, dv, m);
+  });
+  const GradSums<A> s = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    partials[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = s;
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    column_grad_sums_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                            const at::opmath_type<T>* __restrict__ mean, ColumnGrid g,
+                            GradSums<at::opmath_type<T>>* partials) {
+  using A = at::opmath_type<T>;
+  __shared__ LaneGradSums<A, N> shared[kThreads / 2];
+  const int64_t column = owned_column();
+  LaneGradSums<A, N> lanes{};
+  if (column < g.columns) {
+    A m[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) m[j] = mean[(column * N + j) / g.inner];
+    for_each_row(g, column, [&](int64_t v) {
+      A xv[N], dv[N];
+      load<N>(x + v * N, xv);
+      load<N>(dy + v * N, dv);
+      add(lanes, xv, dv, m);
+    });
+  }
+  column_reduce(lanes, shared);
+  if (threadIdx.y == 0 && column < g.columns) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      partials[(column * N + j) * gridDim.y + blockIdx.y] = lane(lanes, j);
+    }
+  }
+}
+
+}  // namespace torch_bn_grad::cuda

@@ -1,0 +1,29 @@
+// What the Python module `torch_bn_grad._C` exposes besides the operators
+// (ops.cpp): process-wide state of the backends, declared here without any
+// backend's headers. The definitions live with the backend they describe.
+#pragma once
+
+#include <cstdint>
+
+namespace torch_bn_grad {
+
+// Which compiled copy of the CPU kernels runs: "DEFAULT", "AVX2" or "AVX512"
+// (cpu/kernel_table.cpp).
+const char* cpu_kernel_isa();
+
+// The CPU output cache (cpu/output_cache.h) and its counters.
+struct OutputCacheStats {
+  int64_t limit_bytes;   // most idle bytes kept
+  int64_t idle_bytes;    // freed blocks waiting for reuse
+  int64_t idle_blocks;
+  int64_t hits;          // outputs served from an idle block
+  int64_t misses;        // cacheable outputs that needed a new block
+};
+
+OutputCacheStats output_cache_stats();
+// Frees idle blocks beyond the new limit.
+void set_output_cache_limit(int64_t bytes);
+// Frees every idle block (blocks in use are unaffected).
+void empty_output_cache();
+
+}  // namespace torch_bn_grad
