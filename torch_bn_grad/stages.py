@@ -131,3 +131,7 @@ def _batch_norm_grad_input_fake(src, diff_dst, mean, variance, gamma, count, gra
     )
     _check_same_device("batch_norm_grad_input", src, gamma=gamma)
     return torch.empty_like(src)
+
+
+# Autograd of the three stages (registered on import).
+from torch_bn_grad import _stages_autograd  # noqa: E402,F401
