@@ -32,15 +32,17 @@ def register_autograd(
     autograd and torch.func alike."""
     function = type(
         f"{op._opname}_autograd",
-        (torch.autograd.Function,),
+        # A single-level Function: its apply records one autograd node and never
+        # reroutes to torch.func's custom_function_call (torch >= 2.14 reroutes
+        # the C++ apply of torch.autograd.Function subclasses too).
+        (torch.autograd.function._SingleLevelFunction,),
         {
             "forward": staticmethod(functools.partial(_forward_below_autograd, op)),
             "setup_context": staticmethod(setup_context),
             "backward": staticmethod(backward),
         },
     )
-    # The C++ Function.apply, bypassing the Python one's torch.func rerouting.
-    plain_apply = super(torch.autograd.Function, function).apply
+    plain_apply = function.apply
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
         # Dual inputs go to the Function too: it has no jvp, so forward-mode AD
