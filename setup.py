@@ -3,8 +3,10 @@
 The C++ operators are always built for the CPU. The hot CPU kernels in
 ``csrc/cpu/kernels/`` are compiled once per instruction set (default, AVX2,
 AVX512) and the matching copy is picked at run time from
-``at::get_cpu_capability()``. CUDA sources are added only when the installed
-torch was built with CUDA and a CUDA toolkit is found.
+``at::get_cpu_capability()``. CUDA sources are added when the installed
+torch was built with CUDA and a matching CUDA toolkit is found
+(``cuda_build.py``); ``TORCH_BN_GRAD_CUDA=0`` builds for the CPU only,
+``TORCH_BN_GRAD_CUDA=1`` requires CUDA, unset builds CUDA when possible.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from __future__ import annotations
 import glob
 import os
 import platform
+import sys
 
 import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import (
-    CUDA_HOME,
     BuildExtension,
     CppExtension,
     CUDAExtension,
 )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+import cuda_build  # noqa: E402  (this folder's build helper, not installed)
+
 # The C++ standard is left to torch.utils.cpp_extension (torch 2.13 builds with C++20).
 CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-fvisibility-inlines-hidden"]
 LINK_FLAGS = ["-fopenmp"]
@@ -43,8 +48,17 @@ else:
 ISA_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
 
 
+_CUDA_PLAN = None
+
+
 def _with_cuda() -> bool:
-    return torch.version.cuda is not None and CUDA_HOME is not None
+    """Whether to build the CUDA kernels (TORCH_BN_GRAD_CUDA: 0 = no, 1 = required, unset = if possible)."""
+    global _CUDA_PLAN
+    if _CUDA_PLAN is None:
+        _CUDA_PLAN = cuda_build.plan(torch.version.cuda)
+        if _CUDA_PLAN.enabled:
+            cuda_build.apply(_CUDA_PLAN)
+    return _CUDA_PLAN.enabled
 
 
 class BuildWithIsaKernels(BuildExtension):
@@ -87,7 +101,9 @@ def _extension():
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if not arch:
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
-        return CUDAExtension(
+        kwargs["library_dirs"] = list(_CUDA_PLAN.library_dirs)
+        kwargs["extra_link_args"] = LINK_FLAGS + _CUDA_PLAN.link_args
+        ext = CUDAExtension(
             sources=sources,
             extra_compile_args={
                 "cxx": CXX_FLAGS + ["-DTORCH_BN_GRAD_WITH_CUDA"],
@@ -95,6 +111,9 @@ def _extension():
             },
             **kwargs,
         )
+        if _CUDA_PLAN.drop_cudart:
+            ext.libraries.remove("cudart")
+        return ext
     return CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
 
 

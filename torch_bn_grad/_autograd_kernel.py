@@ -23,6 +23,7 @@ from torch_bn_grad._compat import (
     AutoDispatchBelowAutograd,
     DispatchKeySet,
     OpOverload,
+    SingleLevelFunction,
     after_autograd_keyset,
     any_requires_grad,
     enable_single_level_autograd_function,
@@ -41,15 +42,14 @@ def register_autograd(
     autograd and torch.func alike."""
     function = type(
         f"{op._opname}_autograd",
-        (torch.autograd.Function,),
+        (SingleLevelFunction,),  # see _compat
         {
             "forward": staticmethod(functools.partial(_forward_below_autograd, op)),
             "setup_context": staticmethod(setup_context),
             "backward": staticmethod(backward),
         },
     )
-    # The C++ Function.apply, bypassing the Python one's torch.func rerouting.
-    plain_apply = super(torch.autograd.Function, function).apply
+    plain_apply = function.apply
 
     def kernel(keyset: DispatchKeySet, *args: Any) -> Any:
         # Dual inputs go to the Function too: it has no jvp, so forward-mode AD

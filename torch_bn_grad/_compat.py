@@ -33,6 +33,9 @@ after_autograd_keyset = _lookup("torch._C", "_after_autograd_keyset")
 any_requires_grad = _lookup("torch._C", "_any_requires_grad")
 DispatchKeySet = _lookup("torch._C", "DispatchKeySet")
 OpOverload = _lookup("torch._ops", "OpOverload")
+# An autograd.Function whose apply records one node and never reroutes to
+# torch.func's custom_function_call (torch >= 2.14 reroutes the C++ apply too).
+SingleLevelFunction = _lookup("torch.autograd.function", "_SingleLevelFunction")
 _forward_ad = importlib.import_module("torch.autograd.forward_ad")
 _lookup("torch.autograd.forward_ad", "_current_level")
 

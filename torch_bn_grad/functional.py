@@ -45,6 +45,8 @@ def _batch_norm(
     eps: float,
 ) -> Tensor:
     """``batch_norm`` whose ``momentum`` may also be a tensor (the modules' cumulative average)."""
+    if input.dim() == 1:
+        return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
         if running_mean is None or running_var is None:
             raise ValueError("batch_norm: running_mean and running_var must be given when training=False")
@@ -58,6 +60,28 @@ def _batch_norm(
     if count > 0 and (running_mean is not None or running_var is not None):
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
     return dst
+
+
+def _rank1(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+) -> Tensor:
+    """A rank-1 input, as torch takes it: no channel axis, so only an empty input
+    (with empty or no per-channel tensors) is valid, and it gives an empty output."""
+    if training and input.shape[0] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
+    if input.numel() != 0:
+        raise ValueError(f"batch_norm: expected input of rank 2 or more (N, C, *), got shape {tuple(input.shape)} "
+                         "(a rank-1 input has no channel axis; only an empty one is accepted)")
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                    ("bias", bias)):
+        if t is not None and t.numel() != 0:
+            raise ValueError(f"batch_norm: {name} should contain 0 elements for a rank-1 input, not {t.numel()}")
+    return input.clone()
 
 
 def _verify_batch_size(input: Tensor) -> None:

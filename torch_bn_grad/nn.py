@@ -131,44 +131,6 @@ class SyncBatchNorm(_FusedForward, _BatchNorm):
         return convert_batchnorm(module, sync=True, process_group=process_group)
 
 
-_REPLACEMENTS: dict[type, type] = {
-    torch.nn.BatchNorm1d: BatchNorm1d,
-    torch.nn.BatchNorm2d: BatchNorm2d,
-    torch.nn.BatchNorm3d: BatchNorm3d,
-}
-
-
-def _replacement(
-    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup]
-) -> Optional[torch.nn.Module]:
-    """This library's module for a torch BatchNorm, sharing its tensors; None if not one."""
-    kind = type(module)
-    if kind is torch.nn.SyncBatchNorm or (sync and kind in _REPLACEMENTS):
-        own_group = getattr(module, "process_group", None)
-        target: type = SyncBatchNorm
-        extra = {"process_group": process_group if process_group is not None else own_group}
-    elif kind in _REPLACEMENTS:
-        target, extra = _REPLACEMENTS[kind], {}
-    else:
-        return None
-    new = target(
-        module.num_features,
-        eps=module.eps,
-        momentum=module.momentum,
-        affine=module.affine,
-        track_running_stats=module.track_running_stats,
-        device="meta",
-        **extra,
-    )
-    # Share the very same Parameter and buffer objects.
-    for name, param in module._parameters.items():
-        new._parameters[name] = param
-    for name, buf in module._buffers.items():
-        new._buffers[name] = buf
-    new.train(module.training)
-    return new
-
-
 def convert_batchnorm(
     module: torch.nn.Module, *, sync: bool = False, process_group: Optional[dist.ProcessGroup] = None
 ) -> torch.nn.Module:
@@ -177,17 +139,16 @@ def convert_batchnorm(
     With ``sync=True`` every one becomes a :class:`SyncBatchNorm` over
     ``process_group`` (None: the world); a torch ``SyncBatchNorm`` becomes ours
     even with ``sync=False``, keeping its own group unless ``process_group``
-    is given. The replacements share the original Parameter and buffer tensors
-    and keep ``training`` and ``requires_grad``. Only modules whose type is
-    exactly one of torch's classes are replaced; children are replaced in place
-    and the root is returned (or its replacement, if the root itself is a
-    BatchNorm). Converting twice changes nothing.
+    is given. A subclass of torch's BatchNorm whose ``forward`` is torch's own,
+    and timm's ``BatchNormAct2d`` (its ``drop`` and ``act`` kept, applied after
+    the normalization as timm does), become a class derived from the subclass
+    with this library's forward. Other subclasses and the Lazy variants are left
+    alone, each named in a ``UserWarning``. The replacements share the
+    original Parameter and buffer tensors and keep ``training``,
+    ``requires_grad``, device, dtype, attributes and hooks; children are
+    replaced in place and the root is returned (or its replacement, if the root
+    itself is a BatchNorm). Converting twice changes nothing.
     """
-    replaced = _replacement(module, sync, process_group)
-    if replaced is not None:
-        return replaced
-    for name, child in module.named_children():
-        new_child = convert_batchnorm(child, sync=sync, process_group=process_group)
-        if new_child is not child:
-            setattr(module, name, new_child)
-    return module
+    from torch_bn_grad._convert import convert
+
+    return convert(module, sync, process_group)

@@ -90,3 +90,7 @@ def combine_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     mean = (weights * means).sum(0)
     m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
     return count, mean, m2 / count.clamp_min(1)
+
+
+# Autograd of the three stages (registered on import).
+from torch_bn_grad import _stages_autograd  # noqa: E402,F401
