@@ -17,6 +17,11 @@ from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
 
+# torch's tools (FX, quantization) treat this library's BatchNorms as torch's.
+from torch_bn_grad import _quantization  # noqa: E402
+
+_quantization.register_or_warn()
+
 __all__ = [
     "BatchNormFunction",
     "batch_norm_backward",
