@@ -140,3 +140,36 @@ def test_export_does_not_change_eager_behaviour() -> None:
     _export(ours, example_input(), "torchscript")
     traced = torch.jit.trace(ours, example_input(), check_trace=False)
     assert "torch_bn_grad::batch_norm_forward" in str(traced.inlined_graph)
+
+
+def test_export_scripted_eval_model_torchscript() -> None:
+    """A ``torch.jit.script``-ed converted model holds the operator itself: it exports too
+    (TorchScript-based exporter) to the graph and outputs of the scripted torch twin."""
+    reference, ours = twins(train=False)
+    x = example_input()
+    proto, _ = _assert_exports_as_torch(torch.jit.script(reference), torch.jit.script(ours), x, "torchscript")
+    with torch.no_grad():
+        _assert_close_relative(_run(proto, x), reference(x))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_export_scripted_batchnorm_emits_batchnormalization(affine: bool) -> None:
+    torch.manual_seed(0)
+    reference = torch.nn.BatchNorm2d(4, affine=affine).eval()
+    with torch.no_grad():
+        reference.running_mean.uniform_(-0.5, 0.5)
+        reference.running_var.uniform_(0.5, 1.5)
+    ours = torch_bn_grad.convert_batchnorm(torch.nn.Sequential(reference)).eval()
+    x = example_input(4, (3, 4, 5, 6))
+    proto = _export(torch.jit.script(ours), x, "torchscript", do_constant_folding=False)
+    assert "BatchNormalization" in _ops(proto)
+    with torch.no_grad():
+        _assert_close_relative(_run(proto, x), reference(x))
+
+
+def test_export_scripted_training_operator_raises_clearly() -> None:
+    """The operator with batch statistics has no ONNX translation: a clear export error."""
+    _, ours = twins(train=True)
+    x = example_input()
+    with pytest.raises(Exception, match="batch statistics"):
+        _export(torch.jit.script(ours), x, "torchscript", training=torch.onnx.TrainingMode.TRAINING)
