@@ -17,6 +17,12 @@ from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
 
+# torch's tools (FX, quantization) treat this library's BatchNorms as torch's.
+from torch_bn_grad import _onnx, _quantization  # noqa: E402
+
+_quantization.register_or_warn()
+_onnx.register()  # the operator's symbolic for the TorchScript-based ONNX exporter
+
 __all__ = [
     "BatchNormFunction",
     "batch_norm_backward",

@@ -1,0 +1,68 @@
+"""ONNX export of this library's BatchNorms and operator.
+
+Modules: while ``torch.onnx.is_in_onnx_export()`` (both exporters set it, and
+the dynamo-based one captures the model without dynamo first), the modules'
+forward is torch's ``_BatchNorm.forward`` (see ``torch_bn_grad/nn.py``), so a
+converted model exports exactly as its torch twin: eval-mode BatchNorms become
+``BatchNormalization`` (or are folded into a preceding Conv/Gemm, as torch's
+are), and a training-mode export is whatever torch's exporters make of torch's
+BatchNorm.
+
+Operator: for graphs that hold ``torch_bn_grad::batch_norm_forward`` itself
+(a ``torch.jit.script``-ed converted model, or code calling
+``torch_bn_grad.batch_norm_forward``), :func:`register` gives the
+TorchScript-based exporter (``dynamo=False``) a symbolic through the public
+``torch.onnx.register_custom_op_symbolic``: one standard
+``BatchNormalization`` (opset 15 and later), for frozen statistics (eval)
+and channel-first data with 1-D statistics (what the modules use). Batch
+statistics (a scripted model exported in training mode) and other forms raise
+an export error naming the operator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["register"]
+
+OPSET = 15  # BatchNormalization-15 (statistics may be float32 for half inputs), CastLike
+
+
+def _batch_norm_forward_symbolic(g, src, gamma, beta, mean, variance, epsilon, data_format):
+    from torch.onnx import symbolic_helper as helper
+
+    fmt = helper._maybe_get_const(data_format, "s")
+    eps = helper._maybe_get_const(epsilon, "f")
+    frozen = not helper._is_none(mean)
+    rank = helper._get_tensor_rank(src)
+    stats = next((t for t in (mean, variance, gamma, beta) if not helper._is_none(t)), None)
+    stats_rank = helper._get_tensor_rank(stats) if stats is not None else 1
+    if fmt != "NCX" or stats_rank != 1 or (rank is not None and rank < 2):
+        return helper._unimplemented(
+            "torch_bn_grad::batch_norm_forward",
+            f"ONNX export supports data_format='NCX' with 1-D statistics only (got {fmt!r}, statistics of rank "
+            f"{stats_rank})",
+            src,
+        )
+    if not frozen:
+        return helper._unimplemented(
+            "torch_bn_grad::batch_norm_forward",
+            "ONNX export of the operator with batch statistics (training) is not supported; export the model "
+            "in eval mode, or use torch_bn_grad.nn modules (not scripted), which export as torch's BatchNorm",
+            src,
+        )
+    if helper._is_none(gamma) or helper._is_none(beta):
+        # ones/zeros shaped like the statistics, in their dtype.
+        zeros = g.op("Mul", mean, g.op("CastLike", g.op("Constant", value_t=torch.tensor(0.0)), mean))
+        ones = g.op("Add", zeros, g.op("CastLike", g.op("Constant", value_t=torch.tensor(1.0)), mean))
+        gamma = ones if helper._is_none(gamma) else gamma
+        beta = zeros if helper._is_none(beta) else beta
+    dst = g.op("BatchNormalization", src, gamma, beta, mean, variance, epsilon_f=eps, training_mode_i=0)
+    return dst, mean, variance
+
+
+def register() -> None:
+    """Give the TorchScript-based ONNX exporter a symbolic for the forward operator."""
+    torch.onnx.register_custom_op_symbolic(
+        "torch_bn_grad::batch_norm_forward", _batch_norm_forward_symbolic, OPSET
+    )
