@@ -44,6 +44,8 @@ ISA_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.c
 
 
 def _with_cuda() -> bool:
+    if os.environ.get("TORCH_BN_GRAD_CUDA") == "0":
+        return False
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 

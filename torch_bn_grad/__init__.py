@@ -12,13 +12,15 @@ import torch  # noqa: F401  (loads libc10/libtorch, which the extension links ag
 
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
 from torch_bn_grad import _vmap  # noqa: F401  (registers the operators' batching rules)
-from torch_bn_grad import functional, memory, nn, stages
+from torch_bn_grad import config, functional, memory, nn, stages
+from torch_bn_grad import _inductor
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
 
 __all__ = [
     "BatchNormFunction",
+    "config",
     "batch_norm_backward",
     "batch_norm_forward",
     "convert_batchnorm",
@@ -29,6 +31,8 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_inductor.install()  # torch.compile (inductor): the operators' lowering, see torch_bn_grad.config
 
 
 def cpu_kernel_isa() -> str:
