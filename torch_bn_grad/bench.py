@@ -3,6 +3,13 @@
     python -m torch_bn_grad.bench [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module] [--min-run-time S]
+    python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
+                                  [--modes train,eval] [--executions eager,compile] [--layouts ...]
+                                  [--iters 3] [--rounds 5] [--opaque] [--threads N] [--json FILE]
+
+With ``--model`` it times a whole ResNet (train step and eval, eager and
+compiled) with this library's BatchNorm against torch's, see
+``torch_bn_grad._model_bench``.
 
 For each case it prints the median time of torch's native operator and of
 ours (torch.utils.benchmark, same process, interleaved), the speedup, the
@@ -35,6 +42,7 @@ import torch
 from torch.utils import benchmark
 
 import torch_bn_grad
+from torch_bn_grad import _model_bench
 
 RESNET50_SHAPES = [
     (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
@@ -217,7 +225,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
+    _model_bench.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.model:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        _model_bench.main(args)
+        return
     problem = device_problem(args.device)
     if problem:
         parser.error(f"--device {args.device}: {problem}")
