@@ -27,6 +27,8 @@ imported (by the first inductor compilation), through an import hook.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.abc
 import importlib.util
 import sys
@@ -42,7 +44,8 @@ from torch_bn_grad import _channels, config
 _DECOMPOSITION_MODULE = "torch._inductor.decomposition"
 # An entry of inductor's config that enters the compile caches' keys (FX graph
 # cache and AOTAutograd cache), so that a compilation made with the lowering
-# is never reused without it, and the reverse. The name is no Python path, so
+# is never reused without it, and the reverse, nor one made by another version
+# of this file. The name is no Python path, so
 # that it marks no real function as cacheable.
 _CACHE_KEY_NAME = "torch_bn_grad:compile_lowering"
 _MIN_TORCH = (2, 5)
@@ -60,19 +63,21 @@ def _acc_dtype(src: Tensor) -> torch.dtype:
     return torch.float32 if src.dtype in _HALF else src.dtype
 
 
-def _keeps_layout(src: Tensor) -> bool:
-    """True when a pointwise result on ``src`` has the layout ``empty_like(src)``
-    has (what the operator returns): dense layouts in the standard orders."""
+def _layout(src: Tensor) -> Optional[torch.memory_format]:
+    """The memory format of ``empty_like(src)`` (what the operator returns) when
+    ``src`` is dense in a standard order; None for other strides, which stay opaque."""
     if src.is_contiguous():
-        return True
+        return torch.contiguous_format
     if src.dim() == 4 and src.is_contiguous(memory_format=torch.channels_last):
-        return True
-    return src.dim() == 5 and src.is_contiguous(memory_format=torch.channels_last_3d)
+        return torch.channels_last
+    if src.dim() == 5 and src.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return None
 
 
 def _form(src: Tensor, ref: Optional[Tensor], data_format: str) -> Optional[tuple[list[int], list[int]]]:
     """(reduced dims, statistics shape) for the operator's arguments, or None to keep it opaque."""
-    if data_format not in ("NCX", "NXC") or src.dtype not in _FLOAT or not _keeps_layout(src):
+    if data_format not in ("NCX", "NXC") or src.dtype not in _FLOAT or _layout(src) is None:
         return None
     if ref is None:
         if src.dim() < 2:
@@ -110,16 +115,17 @@ def _forward(src, gamma, beta, mean, variance, epsilon, data_format):
     scale = torch.rsqrt(var_b + epsilon)
     if gamma is not None:
         scale = scale * _bc(gamma, src, data_format, acc)
+    # Full-size operands first: the result takes their layout, as the operator's does.
     dst = (x - mean_b) * scale
     if beta is not None:
         dst = dst + _bc(beta, src, data_format, acc)
-    return dst.to(src.dtype), mean_out, var_out
+    return dst.to(src.dtype).contiguous(memory_format=_layout(src)), mean_out, var_out
 
 
 def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     """batch_norm_backward as ATen operations, or NotImplemented to keep the operator."""
     op = torch.ops.torch_bn_grad.batch_norm_backward.default
-    if not config.compile_lowering or diff_dst.dtype != src.dtype or not _keeps_layout(diff_dst):
+    if not config.compile_lowering or diff_dst.dtype != src.dtype or _layout(diff_dst) is None:
         return _opaque(op)
     form = _form(src, mean, data_format)
     if form is None:
@@ -142,10 +148,10 @@ def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, traini
             for d in dims:
                 count = count * src.shape[d]
             norm = 1.0 / torch.sym_max(count, 1)
-            diff_src = scale * (dy - sum_dy * norm - xc * (rstd * rstd * sum_dy_xc * norm))
+            diff_src = (dy - sum_dy * norm - xc * (rstd * rstd * sum_dy_xc * norm)) * scale
         else:
-            diff_src = scale * dy
-        diff_src = diff_src.to(src.dtype)
+            diff_src = dy * scale
+        diff_src = diff_src.to(src.dtype).contiguous(memory_format=_layout(src))
     else:
         diff_src = src.new_empty(0)
     diff_gamma = (sum_dy_xc * rstd).reshape(shape).to(mean.dtype) if output_mask[1] else mean.new_empty(0)
@@ -251,8 +257,18 @@ def sync_cache_key() -> None:
     if not _registered or inductor_config is None:
         return
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
-    marked[_CACHE_KEY_NAME] = "on" if config.compile_lowering else "off"
+    marked[_CACHE_KEY_NAME] = f"{'on' if config.compile_lowering else 'off'}:{_source_hash()}"
     inductor_config.unsafe_marked_cacheable_functions = marked
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    """A hash of this file, so that compilations cached by another version of the rewrites are not reused."""
+    try:
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return "unknown"
 
 
 def is_registered() -> bool:
