@@ -6,7 +6,8 @@ forward under ``no_grad``), memory format and execution (eager, or
 ``torch.compile`` with the default inductor backend) it builds the model
 once, converts a deep copy with :func:`torch_bn_grad.convert_batchnorm`
 (same weights), warms both up (compiling them), then times single iterations
-in rounds that alternate between the variants, and reports the median
+in rounds that alternate between the variants (each round starting with the
+next variant), and reports the median
 iteration time of each and the ratio native / ours (above 1: ours is faster).
 With ``--opaque``, compiled cases also time ours with
 ``torch_bn_grad.config.compile_lowering`` off (the operators opaque to
@@ -113,8 +114,11 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
         for _ in range(warmup):
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    order = list(steps)
+    for r in range(rounds):
+        # Each round starts with another variant, so that none always runs first.
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            step = steps[name]
             for _ in range(iters):
                 start = time.perf_counter()
                 step()
