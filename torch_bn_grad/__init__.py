@@ -12,7 +12,8 @@ import torch  # noqa: F401  (loads libc10/libtorch, which the extension links ag
 
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
 from torch_bn_grad import _autograd, _fake, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
-from torch_bn_grad import functional, memory, nn, stages
+from torch_bn_grad import config, functional, memory, nn, stages
+from torch_bn_grad import _inductor
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
@@ -25,6 +26,7 @@ _onnx.register()  # the operator's symbolic for the TorchScript-based ONNX expor
 
 __all__ = [
     "BatchNormFunction",
+    "config",
     "batch_norm_backward",
     "batch_norm_forward",
     "convert_batchnorm",
@@ -35,6 +37,8 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_inductor.install()  # torch.compile (inductor): the operators' lowering, see torch_bn_grad.config
 
 
 def cpu_kernel_isa() -> str:

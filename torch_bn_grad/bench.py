@@ -3,6 +3,13 @@
     python -m torch_bn_grad.bench [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module] [--min-run-time S]
+    python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
+                                  [--modes train,eval] [--executions eager,compile] [--layouts ...]
+                                  [--iters 3] [--rounds 5] [--opaque] [--threads N] [--json FILE]
+
+With ``--model`` it times a whole ResNet (train step and eval, eager and
+compiled) with this library's BatchNorm against torch's, see
+``torch_bn_grad._model_bench``.
 
 For each case it prints the median time of torch's native operator and of
 ours (torch.utils.benchmark, same process, interleaved), the speedup, the
@@ -35,6 +42,7 @@ import torch
 from torch.utils import benchmark
 
 import torch_bn_grad
+from torch_bn_grad import _model_bench
 
 RESNET50_SHAPES = [
     (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
@@ -185,21 +193,50 @@ def run(shapes, dtypes, layouts, directions, min_run_time: float, device: str = 
 
 
 def plot(results: list[Result], path: str, device: str = "cpu") -> None:
-    """Speedup per case as a horizontal bar chart (needs matplotlib)."""
+    """Speedup per case on a log axis (needs matplotlib): one labelled marker per
+    case, colour by direction, shape by dtype, a line at 1.0x; cases slower
+    than native have a red outline and a red label so they stand out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    labels = [f"{'x'.join(map(str, r.shape))} {r.dtype[:4]} {r.layout[:4]} {r.direction[:3]}" for r in results]
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(results))))
+    labels = [f"{'x'.join(map(str, r.shape))} {r.dtype} {r.layout} {r.direction}" for r in results]
     colors = {"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green"}
-    ax.barh(range(len(results)), [r.speedup for r in results], color=[colors[r.direction] for r in results])
-    ax.axvline(1.0, color="black", linewidth=0.8)
+    markers = {"float32": "o", "bfloat16": "s", "float16": "D", "float64": "^"}
+    fig, ax = plt.subplots(figsize=(9, max(3.0, 0.24 * len(results) + 1.2)))
+    for i, r in enumerate(results):
+        slow = r.speedup < 1
+        ax.plot(r.speedup, i, linestyle="none", marker=markers.get(r.dtype, "o"), markersize=6,
+                color=colors.get(r.direction, "tab:gray"), markeredgecolor="tab:red" if slow else None,
+                markeredgewidth=2.0 if slow else 1.0)
+        ax.annotate(f"{r.speedup:.2f}x", (r.speedup, i), xytext=(6, 0), textcoords="offset points",
+                    va="center", fontsize=6, color="tab:red" if slow else "black")
+    ax.axvline(1.0, color="black", linewidth=1.0)
+    ax.set_xscale("log")
+    speedups = [r.speedup for r in results] or [1.0]
+    ax.set_xlim(min(min(speedups), 1.0) / 1.3, max(max(speedups), 1.0) * 1.5)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.grid(axis="x", which="both", alpha=0.3)
     ax.set_yticks(range(len(results)), labels, fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlabel("speedup over torch native (median time ratio)")
+    for tick, r in zip(ax.get_yticklabels(), results):
+        if r.speedup < 1:
+            tick.set_color("tab:red")
+    ax.set_ylim(len(results) - 0.5, -0.5)
+    ax.set_xlabel("speedup over torch native (ratio of median times, log scale; left of 1.0x: slower)")
     ax.set_title(f"torch_bn_grad vs torch {torch.__version__} ({_short_device_name(device)})")
+    handles = [Line2D([], [], linestyle="none", marker="o", color=c, label=d) for d, c in colors.items()
+               if any(r.direction == d for r in results)]
+    handles += [Line2D([], [], linestyle="none", marker=m, color="gray", label=t) for t, m in markers.items()
+                if any(r.dtype == t for r in results)]
+    handles.append(Line2D([], [], linestyle="none", marker="o", color="white", markeredgecolor="tab:red",
+                          markeredgewidth=2.0, label="slower than native (red)"))
+    handles.append(Line2D([], [], color="black", label="1.0x (same as native)"))
+    ax.legend(handles=handles, fontsize=7, loc="lower right", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -217,7 +254,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
+    _model_bench.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.model:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        _model_bench.main(args)
+        return
     problem = device_problem(args.device)
     if problem:
         parser.error(f"--device {args.device}: {problem}")

@@ -1,0 +1,218 @@
+"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._inductor).
+
+Compiled models and operators against eager mode: values, gradients and running
+statistics, in both memory formats and in float32 and bfloat16; the forms that
+stay opaque; the switch ``torch_bn_grad.config.compile_lowering``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import torch_bn_grad
+from torch_bn_grad import _inductor, config
+
+OPS = ("torch.ops.torch_bn_grad.batch_norm_forward", "torch.ops.torch_bn_grad.batch_norm_backward")
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+       torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    previous = config.compile_lowering
+    yield
+    config.compile_lowering = previous
+    torch._dynamo.reset()
+
+
+def _extern_calls(code: list[str]) -> int:
+    """How many calls of this library's operators inductor's generated code makes."""
+    return sum(src.count(f"{op}.default(") for src in code for op in OPS)
+
+
+def _model(dtype: torch.dtype, memory_format: torch.memory_format) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8, momentum=None), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 36, 5), torch.nn.BatchNorm1d(5),
+    )
+    with torch.no_grad():
+        for bn in (model[1], model[4], model[8]):
+            bn.weight.uniform_(0.5, 1.5, generator=g)
+            bn.bias.normal_(generator=g)
+            bn.running_mean.normal_(generator=g)
+            bn.running_var.uniform_(0.5, 2.0, generator=g)
+    return torch_bn_grad.convert_batchnorm(model).to(dtype=dtype, memory_format=memory_format)
+
+
+def _step(run, model, x, target):
+    x = x.clone().requires_grad_()
+    out = run(x)
+    if model.training:
+        torch.nn.functional.cross_entropy(out.float(), target).backward()
+        grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        return out.detach(), grads
+    return out.detach(), []
+
+
+def _compare(compiled, model, reference, dtype, memory_format, batches):
+    tol = TOL[dtype]
+    for seed, batch in enumerate(batches):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(batch, 3, 6, 6, generator=g) * 2 + 0.5).to(dtype).contiguous(memory_format=memory_format)
+        target = torch.randint(0, 5, (batch,), generator=g)
+        out, grads = _step(compiled, model, x, target)
+        ref_out, ref_grads = _step(reference, reference, x, target)
+        torch.testing.assert_close(out, ref_out, **tol)
+        assert out.is_contiguous(memory_format=torch.contiguous_format if out.dim() < 4 else memory_format)
+        for grad, ref_grad in zip(grads, ref_grads):
+            torch.testing.assert_close(grad, ref_grad, **tol)
+    for (name, t), (_, ref) in zip(model.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(t, ref, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_lowered_model_matches_eager(training, layout, dtype):
+    """Inductor fuses the rewritten operators (no extern call is left) and the
+    compiled steps match eager mode: outputs, gradients, running statistics."""
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    model = _model(dtype, memory_format).train(training)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    _, code = run_and_get_code(_compare, compiled, model, reference, dtype, memory_format, [4])
+    assert _inductor.is_registered()
+    assert _extern_calls(code) == 0
+    _compare(compiled, model, reference, dtype, memory_format, [4, 4])
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_lowered_dynamic_batch_does_not_recompile(training):
+    model = _model(torch.float32, torch.contiguous_format).train(training)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    _, code = run_and_get_code(_compare, compiled, model, reference, torch.float32, torch.contiguous_format, [4])
+    assert _extern_calls(code) == 0
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _compare(compiled, model, reference, torch.float32, torch.contiguous_format, [3, 5, 9])
+    assert not counters["graph_break"]
+
+
+def test_switch_keeps_the_operators_opaque():
+    config.compile_lowering = False
+    model = _model(torch.float32, torch.contiguous_format).train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    _, code = run_and_get_code(_compare, compiled, model, reference, torch.float32, torch.contiguous_format, [4])
+    assert _extern_calls(code) >= 6  # three forwards, three backwards
+    assert not counters["graph_break"]
+
+
+def test_switch_enters_the_compile_cache_key():
+    import torch._inductor.config as inductor_config
+
+    assert _inductor.ensure_registered()
+    for value in (False, True):
+        config.compile_lowering = value
+        marked = inductor_config.unsafe_marked_cacheable_functions
+        assert marked["torch_bn_grad:compile_lowering"].split(":")[0] == ("on" if value else "off")
+    with pytest.raises(TypeError):
+        config.compile_lowering = 1
+
+
+def test_eager_and_export_keep_the_operators():
+    """Registered with inductor, the rewrite changes neither eager mode nor torch.export."""
+    assert _inductor.ensure_registered()
+    model = _model(torch.float32, torch.contiguous_format).eval()
+    x = torch.randn(4, 3, 6, 6)
+    program = torch.export.export(model, (x,))
+    targets = [n.target for n in program.graph.nodes]
+    assert targets.count(torch.ops.torch_bn_grad.batch_norm_forward.default) == 3
+    torch.testing.assert_close(program.module()(x), model(x))
+
+
+# (shape, data_format, statistics' shape as a function of the shape)
+FORMS = {
+    "NCX-2d": ((5, 3), "NCX", lambda s: (s[1],)),
+    "NCX-4d": ((4, 3, 5, 6), "NCX", lambda s: (s[1],)),
+    "NCX-5d": ((2, 3, 4, 5, 3), "NCX", lambda s: (s[1],)),
+    "NXC-4d": ((4, 5, 6, 3), "NXC", lambda s: (s[-1],)),
+    "broadcast": ((4, 3, 5, 6), "NCX", lambda s: (1, s[1], s[2], 1)),
+    "broadcast-rank1": ((7,), "NCX", lambda s: (1,)),
+}
+LAYOUTS = {
+    "contiguous": lambda t: t.contiguous(),
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else (
+        t.contiguous(memory_format=torch.channels_last_3d) if t.dim() == 5 else t),
+    "strided": lambda t: t.transpose(0, -1).contiguous().transpose(0, -1) if t.dim() > 1 else t,
+}
+
+
+def _operator_case(form, dtype, layout, seed=0):
+    shape, data_format, stats_shape = FORMS[form]
+    g = torch.Generator().manual_seed(seed)
+    x = LAYOUTS[layout]((torch.randn(shape, generator=g) * 3 + 2).to(dtype))
+    dy = LAYOUTS[layout](torch.randn(shape, generator=g).to(dtype))
+    param = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    gamma = (torch.rand(stats_shape(shape), generator=g) + 0.5).to(param)
+    beta = torch.randn(stats_shape(shape), generator=g).to(param)
+    mean = torch.randn(stats_shape(shape), generator=g).to(param)
+    var = (torch.rand(stats_shape(shape), generator=g) + 0.5).to(param)
+    return x, dy, gamma, beta, mean, var, data_format
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("form", FORMS)
+def test_lowered_operators_match_eager(form, dtype, layout):
+    """Every form of the contract: batch and frozen statistics, both backward
+    modes and a partial output mask, compiled against the eager operators.
+    Layouts a rewrite would not keep (here "strided") stay extern calls."""
+    x, dy, gamma, beta, mean, var, data_format = _operator_case(form, dtype, layout)
+    if x.dim() == 1 and form != "broadcast-rank1":
+        pytest.skip("rank 1 takes the broadcast form only")
+
+    def fn(x, dy, gamma, beta, mean, var):
+        out = []
+        dst, m, v = torch_bn_grad.batch_norm_forward(x, gamma, beta, epsilon=1e-3, data_format=data_format)
+        out += [dst, m, v]
+        out += torch_bn_grad.batch_norm_backward(x, dy, m, v, gamma, epsilon=1e-3, data_format=data_format)
+        out += torch_bn_grad.batch_norm_forward(x, gamma, beta, mean, var, epsilon=1e-3, data_format=data_format)
+        out += torch_bn_grad.batch_norm_backward(x, dy, mean, var, None, epsilon=1e-3, data_format=data_format,
+                                                 training=False)
+        out += [t for t in torch_bn_grad.batch_norm_backward(
+            x, dy, m, v, gamma, epsilon=1e-3, data_format=data_format, output_mask=(True, False, True))
+            if t is not None]
+        return out
+
+    compiled = torch.compile(fn, fullgraph=True)
+    args = (x, dy, gamma, beta, mean, var)
+    got, code = run_and_get_code(compiled, *args)
+    expected = fn(*args)
+    if form == "broadcast-rank1" or layout != "strided" or x.is_contiguous():
+        assert _extern_calls(code) == 0
+    else:
+        assert _extern_calls(code) > 0  # kept opaque
+    tol = TOL[dtype]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        if a.dim() >= 2 and a.numel() > 1:
+            assert a.stride() == b.stride(), (i, a.stride(), b.stride())
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"output {i}: {m}")
+    assert not counters["graph_break"]

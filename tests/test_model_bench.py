@@ -1,0 +1,52 @@
+"""Smoke tests of the model benchmark (``python -m torch_bn_grad.bench --model``) and the op bench's plot, tiny sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torch_bn_grad import _model_bench, _models, bench
+
+
+@pytest.mark.parametrize("name", sorted(_models.MODELS))
+def test_models_shapes_and_batchnorms(name):
+    model = _models.MODELS[name](num_classes=7)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+    expected = {"resnet18": 20, "resnet50": 53}[name]
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == expected
+
+
+def test_model_bench_eager_table_and_json(tmp_path, capsys):
+    path = tmp_path / "model.json"
+    bench.main(["--model", "resnet18", "--batch-size", "2", "--resolution", "32", "--iters", "1", "--rounds", "2",
+                "--warmup", "1", "--executions", "eager", "--num-classes", "10", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "native/ours" in out
+    rows = json.loads(path.read_text())
+    assert {(r["mode"], r["layout"], r["execution"]) for r in rows} == {
+        (m, lay, "eager") for m in ("train", "eval") for lay in ("contiguous", "channels_last")}
+    for r in rows:
+        assert r["native_ms"] > 0 and r["ours_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["native_ms"] / r["ours_ms"], rel=1e-2)
+
+
+def test_model_bench_compiled_with_opaque_variant():
+    torch._dynamo.reset()
+    rows = _model_bench.run("resnet18", ["eval"], ["channels_last"], ["compile"], batch=2, resolution=32, iters=1,
+                            rounds=1, warmup=1, opaque=True, num_classes=10, log=lambda *_: None)
+    torch._dynamo.reset()
+    (row,) = rows
+    assert row.opaque_ms is not None and row.opaque_ms > 0 and row.ours_ms > 0
+
+
+def test_op_bench_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [
+        bench.Result((8, 4, 5, 5), "cpu", "float32", "contiguous", "forward", 1.0, 0.5, 2.0, 1.0, 50.0),
+        bench.Result((8, 4, 5, 5), "cpu", "bfloat16", "channels_last", "backward", 1.0, 2.0, 0.5, 1.0, 50.0),
+    ]
+    path = tmp_path / "plot.png"
+    bench.plot(results, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,313 @@
+"""Lowering of the operators for torch.compile's inductor backend.
+
+Inductor cannot see into ``torch_bn_grad::batch_norm_forward`` and
+``batch_norm_backward``: each stays an extern call between fused kernels, and
+its data makes extra trips through memory. Under inductor (and only there:
+eager mode, ``torch.export`` and other backends keep the operators) this
+module rewrites them into the ATen operations torch's own BatchNorm
+decomposes to — ``var_mean``, per-channel sums and pointwise arithmetic in
+float32 (float64 for float64 data) — which inductor fuses with the
+convolutions' epilogues, activations, residual additions and the loss's
+reductions. The autograd formulas are untouched: the rewrite happens below
+autograd, when AOTAutograd traces the forward and backward graphs, so
+gradients of every order still follow ``torch_bn_grad.ops``.
+
+Where a rewrite would not reproduce the operator (a layout that the rewritten
+output would not keep, an unusual dtype), the operator stays as it is.
+``torch_bn_grad.config.compile_lowering = False`` (or
+``TORCH_BN_GRAD_COMPILE_LOWERING=0``) keeps the operators opaque everywhere.
+
+The rewrites go into inductor's decomposition table, a private API: all of it
+goes through :func:`_register` which checks the torch version and the
+names it uses, and warns (once) and leaves the operators opaque when they are
+missing. The table is read from ``torch._inductor.decomposition``, which
+costs seconds to import; so it is registered when that module is first
+imported (by the first inductor compilation), through an import hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from torch_bn_grad import _channels, config
+
+_DECOMPOSITION_MODULE = "torch._inductor.decomposition"
+# An entry of inductor's config that enters the compile caches' keys (FX graph
+# cache and AOTAutograd cache), so that a compilation made with the lowering
+# is never reused without it, and the reverse, nor one made by another version
+# of this file. The name is no Python path, so
+# that it marks no real function as cacheable.
+_CACHE_KEY_NAME = "torch_bn_grad:compile_lowering"
+_MIN_TORCH = (2, 5)
+
+_lock = threading.Lock()
+_registered = False
+_warned = False
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOAT = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ the rewrites
+def _acc_dtype(src: Tensor) -> torch.dtype:
+    return torch.float32 if src.dtype in _HALF else src.dtype
+
+
+def _layout(src: Tensor) -> Optional[torch.memory_format]:
+    """The memory format of ``empty_like(src)`` (what the operator returns) when
+    ``src`` is dense in a standard order; None for other strides, which stay opaque."""
+    if src.is_contiguous():
+        return torch.contiguous_format
+    if src.dim() == 4 and src.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if src.dim() == 5 and src.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return None
+
+
+def _form(src: Tensor, ref: Optional[Tensor], data_format: str) -> Optional[tuple[list[int], list[int]]]:
+    """(reduced dims, statistics shape) for the operator's arguments, or None to keep it opaque."""
+    if data_format not in ("NCX", "NXC") or src.dtype not in _FLOAT or _layout(src) is None:
+        return None
+    if ref is None:
+        if src.dim() < 2:
+            return None
+        axis = _channels.channel_axis(src, data_format)
+        return [d for d in range(src.dim()) if d != axis], [src.shape[axis]]
+    if ref.dim() != 1 and not _channels.is_broadcast_form(src, ref):
+        return None
+    return _channels.reduced_dims(src, ref, data_format), list(ref.shape)
+
+
+def _bc(stats: Tensor, src: Tensor, data_format: str, dtype: torch.dtype) -> Tensor:
+    return _channels.broadcastable(stats.to(dtype), src, data_format)
+
+
+def _forward(src, gamma, beta, mean, variance, epsilon, data_format):
+    """batch_norm_forward as ATen operations, or NotImplemented to keep the operator."""
+    op = torch.ops.torch_bn_grad.batch_norm_forward.default
+    if not config.compile_lowering or (mean is None) != (variance is None):
+        return _opaque(op)
+    ref = next((t for t in (mean, variance, gamma, beta) if t is not None), None)
+    form = _form(src, ref, data_format)
+    if form is None:
+        return _opaque(op)
+    dims, shape = form
+    acc = _acc_dtype(src)
+    x = src.to(acc)
+    if mean is None:
+        # What torch's BatchNorm decomposes to; inductor makes it one Welford reduction.
+        var_b, mean_b = torch.var_mean(x, dim=dims, correction=0, keepdim=True)
+        mean_out, var_out = mean_b.reshape(shape), var_b.reshape(shape)
+    else:
+        mean_b, var_b = _bc(mean, src, data_format, acc), _bc(variance, src, data_format, acc)
+        mean_out, var_out = mean.clone(), variance.clone()
+    scale = torch.rsqrt(var_b + epsilon)
+    if gamma is not None:
+        scale = scale * _bc(gamma, src, data_format, acc)
+    # Full-size operands first: the result takes their layout, as the operator's does.
+    dst = (x - mean_b) * scale
+    if beta is not None:
+        dst = dst + _bc(beta, src, data_format, acc)
+    return dst.to(src.dtype).contiguous(memory_format=_layout(src)), mean_out, var_out
+
+
+def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
+    """batch_norm_backward as ATen operations, or NotImplemented to keep the operator."""
+    op = torch.ops.torch_bn_grad.batch_norm_backward.default
+    if not config.compile_lowering or diff_dst.dtype != src.dtype or _layout(diff_dst) is None:
+        return _opaque(op)
+    form = _form(src, mean, data_format)
+    if form is None:
+        return _opaque(op)
+    dims, shape = form
+    acc = _acc_dtype(src)
+    x, dy = src.to(acc), diff_dst.to(acc)
+    mean_b = _bc(mean, src, data_format, acc)
+    rstd = torch.rsqrt(_bc(variance, src, data_format, acc) + epsilon)
+    xc = x - mean_b
+    need_sums = output_mask[1] or output_mask[2] or (output_mask[0] and training)
+    sum_dy = sum_dy_xc = None
+    if need_sums:
+        sum_dy = dy.sum(dim=dims, keepdim=True) if dims else dy
+        sum_dy_xc = (dy * xc).sum(dim=dims, keepdim=True) if dims else dy * xc
+    if output_mask[0]:
+        scale = rstd if gamma is None else rstd * _bc(gamma, src, data_format, acc)
+        if training:
+            count = 1
+            for d in dims:
+                count = count * src.shape[d]
+            norm = 1.0 / torch.sym_max(count, 1)
+            diff_src = (dy - sum_dy * norm - xc * (rstd * rstd * sum_dy_xc * norm)) * scale
+        else:
+            diff_src = dy * scale
+        diff_src = diff_src.to(src.dtype).contiguous(memory_format=_layout(src))
+    else:
+        diff_src = src.new_empty(0)
+    diff_gamma = (sum_dy_xc * rstd).reshape(shape).to(mean.dtype) if output_mask[1] else mean.new_empty(0)
+    diff_beta = sum_dy.reshape(shape).to(mean.dtype) if output_mask[2] else mean.new_empty(0)
+    return diff_src, diff_gamma, diff_beta
+
+
+# ------------------------------------------------------------------ registration
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _warn(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"torch_bn_grad: {reason}; under torch.compile the BatchNorm operators stay opaque "
+            "(correct, but inductor cannot fuse them with their neighbours)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _private_api(what: str, module: Any = None) -> Any:
+    """The one access to inductor's private APIs, checked against the torch version
+    and the names it needs; None (after a warning, once) when they are missing.
+
+    ``what``: "table" gives (decompositions, fast_random_decomps, inductor config)
+    from ``module`` (``torch._inductor.decomposition``); "fallback" gives a function
+    that registers inductor's fallback (an extern call) for an operator, as
+    inductor makes for operators it has no lowering for."""
+    if _torch_version() < _MIN_TORCH:
+        _warn(f"torch {torch.__version__} is older than {'.'.join(map(str, _MIN_TORCH))}")
+        return None
+    if what == "table":
+        table = getattr(module, "decompositions", None)
+        fast = getattr(module, "fast_random_decomps", None)
+        inductor_config = sys.modules.get("torch._inductor.config")
+        if (
+            isinstance(table, dict)
+            and callable(fast)
+            and hasattr(fast, "cache_info")
+            and isinstance(getattr(inductor_config, "unsafe_marked_cacheable_functions", None), dict)
+        ):
+            return table, fast, inductor_config
+    elif what == "fallback":
+        lowering = sys.modules.get("torch._inductor.lowering")
+        import torch._library.utils as library_utils
+
+        get_tag = getattr(library_utils, "get_layout_constraint_tag", None)
+        if lowering is None:
+            return None  # not compiling with inductor: nothing to register
+        if all(hasattr(lowering, n) for n in ("lowerings", "make_fallback", "tag_to_layout_constraint")) and get_tag:
+
+            def fallback(op: torch._ops.OpOverload) -> None:
+                if op not in lowering.lowerings:
+                    constraint = lowering.tag_to_layout_constraint(get_tag(op, with_default=True))
+                    lowering.make_fallback(op, layout_constraint=constraint, override_decomp=True)
+
+            return fallback
+    _warn(f"torch {torch.__version__}'s inductor lacks the private API this library's lowering uses ({what})")
+    return None
+
+
+def _opaque(op: torch._ops.OpOverload) -> Any:
+    """Keep ``op`` as it is: inductor calls it as an extern kernel, as it would
+    without the rewrite (which, being in its decomposition table, it would refuse)."""
+    fallback = _private_api("fallback")
+    if fallback is not None:
+        fallback(op)
+    return NotImplemented
+
+
+def _register(decomposition: Any) -> bool:
+    """Put the rewrites into inductor's decomposition table (``decomposition`` is
+    ``torch._inductor.decomposition``). Returns whether they are in place."""
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        api = _private_api("table", decomposition)
+        if api is None:
+            return False
+        table, fast, _ = api
+        ops = {
+            torch.ops.torch_bn_grad.batch_norm_forward.default: _forward,
+            torch.ops.torch_bn_grad.batch_norm_backward.default: _backward,
+        }
+        table.update(ops)
+        # select_decomp_table() returns a cached copy of the table; fill it too if it is made already.
+        if fast.cache_info().currsize:
+            fast().update(ops)
+        _registered = True
+    sync_cache_key()
+    return True
+
+
+def sync_cache_key() -> None:
+    """Put the current ``config.compile_lowering`` into inductor's config, which keys the compile caches."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if not _registered or inductor_config is None:
+        return
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    marked[_CACHE_KEY_NAME] = f"{'on' if config.compile_lowering else 'off'}:{_source_hash()}"
+    inductor_config.unsafe_marked_cacheable_functions = marked
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    """A hash of this file, so that compilations cached by another version of the rewrites are not reused."""
+    try:
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return "unknown"
+
+
+def is_registered() -> bool:
+    """Whether the rewrites are in inductor's decomposition table."""
+    return _registered
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Registers the rewrites right after ``torch._inductor.decomposition`` is executed."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _DECOMPOSITION_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            _register(module)
+
+        loader.exec_module = exec_and_register  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Register now if inductor's decomposition table is loaded, else when it is."""
+    module = sys.modules.get(_DECOMPOSITION_MODULE)
+    if module is not None:
+        _register(module)
+    elif not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook())
+
+
+def ensure_registered() -> bool:
+    """Import inductor's decomposition table (seconds) and register; for tests and benchmarks."""
+    import torch._inductor.decomposition as decomposition
+
+    return _register(decomposition)

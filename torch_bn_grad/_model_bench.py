@@ -1,0 +1,185 @@
+"""Model benchmark: a whole ResNet with this library's BatchNorm against the same
+model with torch's, side by side (``python -m torch_bn_grad.bench --model resnet18``).
+
+For each mode (train step: forward, cross-entropy, backward, SGD step; eval:
+forward under ``no_grad``), memory format and execution (eager, or
+``torch.compile`` with the default inductor backend) it builds the model
+once, converts a deep copy with :func:`torch_bn_grad.convert_batchnorm`
+(same weights), warms both up (compiling them), then times single iterations
+in rounds that alternate between the variants (each round starting with the
+next variant), and reports the median
+iteration time of each and the ratio native / ours (above 1: ours is faster).
+With ``--opaque``, compiled cases also time ours with
+``torch_bn_grad.config.compile_lowering`` off (the operators opaque to
+inductor), as a third variant in the same rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+import torch_bn_grad
+from torch_bn_grad import _models, config
+
+MODES = ("train", "eval")
+LAYOUTS = ("contiguous", "channels_last")
+EXECUTIONS = ("eager", "compile")
+
+
+@dataclass
+class ModelResult:
+    """One row: median milliseconds per iteration and the ratios native / ours."""
+
+    model: str
+    mode: str
+    layout: str
+    execution: str
+    batch: int
+    resolution: int
+    native_ms: float
+    ours_ms: float
+    speedup: float
+    opaque_ms: Optional[float] = None
+    opaque_speedup: Optional[float] = None
+
+
+def _opaque_inductor(gm, example_inputs):
+    """The default inductor backend, compiling with ``compile_lowering`` off.
+
+    A backend of its own also keeps dynamo from reusing a graph compiled for
+    another variant of the same model class."""
+    from torch._inductor.compile_fx import compile_fx
+
+    previous = config.compile_lowering
+    config.compile_lowering = False
+    try:
+        return compile_fx(gm, example_inputs)
+    finally:
+        config.compile_lowering = previous
+
+
+def _raise_recompile_limits() -> None:
+    """Every variant recompiles the same model code; keep dynamo from giving up on it."""
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+
+
+def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor) -> Callable:
+    if mode == "eval":
+        def step() -> None:
+            with torch.no_grad():
+                run(x)
+        return step
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(run(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int, resolution: int,
+             iters: int, rounds: int, warmup: int, opaque: bool, num_classes: int = 1000) -> ModelResult:
+    """Time one case; every variant's iterations alternate, round by round."""
+    torch.manual_seed(0)
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    native = _models.MODELS[model_name](num_classes).to(memory_format=memory_format).train(mode == "train")
+    variants = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native))}
+    compiled = execution == "compile"
+    if compiled and opaque:
+        variants["opaque"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, resolution, resolution, generator=g).contiguous(memory_format=memory_format)
+    target = torch.randint(0, num_classes, (batch,), generator=g)
+    steps = {}
+    for name, model in variants.items():
+        if not compiled:
+            run = model
+        elif name == "opaque":
+            run = torch.compile(model, backend=_opaque_inductor)
+        else:
+            run = torch.compile(model)  # the default backend, inductor
+        steps[name] = _step_fn(model, run, mode, x, target)
+        for _ in range(warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for r in range(rounds):
+        # Each round starts with another variant, so that none always runs first.
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            step = steps[name]
+            for _ in range(iters):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    result = ModelResult(model_name, mode, layout, execution, batch, resolution, round(ms["native"], 3),
+                         round(ms["ours"], 3), round(ms["native"] / ms["ours"], 3))
+    if "opaque" in ms:
+        result.opaque_ms = round(ms["opaque"], 3)
+        result.opaque_speedup = round(ms["native"] / ms["opaque"], 3)
+    return result
+
+
+def run(model_name: str, modes, layouts, executions, batch: int, resolution: int, iters: int, rounds: int,
+        warmup: int, opaque: bool, num_classes: int = 1000, log=print) -> list[ModelResult]:
+    """Every case; prints a row as each finishes."""
+    _raise_recompile_limits()
+    header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
+              f"{'native/ours':>11}")
+    if opaque:
+        header += f" {'opaque ms':>10} {'native/opaque':>13}"
+    log(header)
+    results = []
+    for execution in executions:
+        for mode in modes:
+            for layout in layouts:
+                r = run_case(model_name, mode, layout, execution, batch, resolution, iters, rounds, warmup,
+                             opaque, num_classes)
+                results.append(r)
+                line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
+                        f"{r.ours_ms:>9.2f} {r.speedup:>10.3f}x")
+                if r.opaque_ms is not None:
+                    line += f" {r.opaque_ms:>10.2f} {r.opaque_speedup:>12.3f}x"
+                log(line)
+    return results
+
+
+def add_arguments(parser) -> None:
+    """The ``--model`` options of ``python -m torch_bn_grad.bench``."""
+    group = parser.add_argument_group("model benchmark (--model)")
+    group.add_argument("--model", choices=sorted(_models.MODELS), help="time a whole ResNet instead of the operators")
+    group.add_argument("--batch-size", type=int, default=16)
+    group.add_argument("--resolution", type=int, default=112, help="input height and width")
+    group.add_argument("--iters", type=int, default=3, help="iterations per variant per round")
+    group.add_argument("--rounds", type=int, default=5, help="rounds alternating the variants")
+    group.add_argument("--warmup", type=int, default=2, help="untimed iterations (compilation included)")
+    group.add_argument("--modes", default=",".join(MODES))
+    group.add_argument("--executions", default=",".join(EXECUTIONS), help="eager, compile (torch.compile, inductor)")
+    group.add_argument("--num-classes", type=int, default=1000)
+    group.add_argument("--opaque", action="store_true",
+                       help="compiled cases also time ours with torch_bn_grad.config.compile_lowering off")
+
+
+def main(args) -> None:
+    """Run the model benchmark for parsed ``args`` (see :func:`add_arguments`)."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}, batch {args.batch_size}, "
+          f"{args.resolution}x{args.resolution}, median of {args.rounds} rounds x {args.iters} iterations, "
+          f"compile_lowering={config.compile_lowering}")
+    results = run(args.model, args.modes.split(","), args.layouts.split(","), args.executions.split(","),
+                  args.batch_size, args.resolution, args.iters, args.rounds, args.warmup, args.opaque,
+                  args.num_classes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)

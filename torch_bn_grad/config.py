@@ -1,0 +1,48 @@
+"""Settings of torch_bn_grad.
+
+``compile_lowering`` (bool, default True; environment variable
+``TORCH_BN_GRAD_COMPILE_LOWERING=0`` makes the default False): under
+``torch.compile`` with the inductor backend, rewrite this library's forward
+and backward operators into ATen operations (the ones torch's own BatchNorm
+lowers to) that inductor fuses with their neighbours. False keeps the opaque
+fused kernels under inductor too, with their accuracy and reproducibility
+guarantees (see README, "torch.compile"). Eager mode, ``torch.export`` and
+other backends always run the kernels. Set it before compiling: a model
+already compiled keeps what it was compiled with until ``torch._dynamo.reset()``;
+compile caches on disk are keyed by it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+class _Config(types.ModuleType):
+    """The module's class: setting ``compile_lowering`` also updates the compile cache key."""
+
+    _compile_lowering: bool = _env_flag("TORCH_BN_GRAD_COMPILE_LOWERING", True)
+
+    @property
+    def compile_lowering(self) -> bool:
+        return type(self)._compile_lowering
+
+    @compile_lowering.setter
+    def compile_lowering(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"torch_bn_grad.config.compile_lowering must be a bool, got {value!r}")
+        type(self)._compile_lowering = value
+        from torch_bn_grad import _inductor
+
+        _inductor.sync_cache_key()
+
+
+sys.modules[__name__].__class__ = _Config
