@@ -81,17 +81,39 @@ def test_missing_operator_is_named(saved, tmp_path):
         artifacts.load(forged)
 
 
-def test_aoti_package_in_a_fresh_process(saved):
-    folder, ep = saved
+def _aoti_package(ep, path, lowering: bool) -> str:
+    previous = torch_bn_grad.config.compile_lowering
+    torch_bn_grad.config.compile_lowering = lowering
     try:
-        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(folder / "package.pt2"))
+        return torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     except Exception as exc:  # noqa: BLE001 (no working C++ toolchain for Inductor here)
         pytest.skip(f"AOTInductor cannot compile on this machine: {type(exc).__name__}: {exc}")
+    finally:
+        torch_bn_grad.config.compile_lowering = previous
+
+
+def test_aoti_package_in_a_fresh_process(saved):
+    """With the operators kept opaque (config.compile_lowering False) the package calls them."""
+    folder, ep = saved
+    path = _aoti_package(ep, folder / "package.pt2", lowering=False)
     assert artifacts.required_operators(path) == {"torch_bn_grad::batch_norm_forward"}
     plain = _fresh(f"import torch; torch._inductor.aoti_load_package({path!r})")
     assert plain.returncode != 0 and "torch_bn_grad::batch_norm_forward" in plain.stderr
     code = ("import torch; from torch_bn_grad import artifacts; "
             f"run = artifacts.load_package({path!r}); io = torch.load({str(folder / 'io.pt')!r}); "
+            "torch.testing.assert_close(run(io['x']), io['y']); print('same')")
+    result = _fresh(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "same"
+
+
+def test_lowered_aoti_package_needs_no_import(saved):
+    """With the lowering (the default) inductor compiles the operators in: no torch_bn_grad needed."""
+    folder, ep = saved
+    path = _aoti_package(ep, folder / "lowered.pt2", lowering=True)
+    assert artifacts.required_operators(path) == set()
+    code = (f"import torch; run = torch._inductor.aoti_load_package({path!r}); "
+            f"io = torch.load({str(folder / 'io.pt')!r}); "
             "torch.testing.assert_close(run(io['x']), io['y']); print('same')")
     result = _fresh(code)
     assert result.returncode == 0, result.stderr
