@@ -97,7 +97,7 @@ def test_subclass_with_torch_forward_is_converted():
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch_bn_grad.convert_batchnorm(model)
+        torch_bn_grad.convert_batchnorm(model, subclasses=True)
     bn = model[1]
     assert _is_ours(bn) and isinstance(bn, TorchForwardBN) and isinstance(bn, torch.nn.BatchNorm2d)
     assert bn.describe() == "kept:3" and type(bn).__name__ == "TorchForwardBN"
@@ -112,7 +112,7 @@ def test_subclass_with_torch_forward_is_converted():
 def test_sync_subclass_is_converted_to_our_sync():
     model = torch.nn.Sequential(TorchForwardSyncBN(3)).double()
     ref = copy.deepcopy(model)
-    torch_bn_grad.convert_batchnorm(model)
+    torch_bn_grad.convert_batchnorm(model, subclasses=True)
     assert isinstance(model[0], bn_nn.SyncBatchNorm) and isinstance(model[0], TorchForwardSyncBN)
     _assert_same_run(ref, model, torch.randn(4, 3, 5, dtype=torch.float64))
 
@@ -120,7 +120,7 @@ def test_sync_subclass_is_converted_to_our_sync():
 def test_subclass_with_own_forward_and_lazy_warn():
     model = torch.nn.Sequential(OwnForwardBN(3), torch.nn.LazyBatchNorm2d(), torch.nn.BatchNorm2d(3))
     with pytest.warns(UserWarning) as record:
-        torch_bn_grad.convert_batchnorm(model)
+        torch_bn_grad.convert_batchnorm(model, subclasses=True)
     messages = [str(w.message) for w in record]
     assert any("0 (" in m and "OwnForwardBN" in m and "forward of its own" in m for m in messages), messages
     assert any("1 (" in m and "LazyBatchNorm2d" in m and "Lazy" in m for m in messages), messages
@@ -133,18 +133,18 @@ def test_lazy_after_first_forward_is_converted():
     model(torch.randn(2, 3, 4, 4))  # materializes: the module becomes a torch BatchNorm2d
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch_bn_grad.convert_batchnorm(model)
+        torch_bn_grad.convert_batchnorm(model, subclasses=True)
     assert type(model[0]) is bn_nn.BatchNorm2d
 
 
 def test_convert_twice_changes_nothing_and_sync_flag():
     model = torch.nn.Sequential(TorchForwardBN(3), torch.nn.BatchNorm1d(3))
-    torch_bn_grad.convert_batchnorm(model)
+    torch_bn_grad.convert_batchnorm(model, subclasses=True)
     types = [type(m) for m in model]
-    torch_bn_grad.convert_batchnorm(model)
-    torch_bn_grad.convert_batchnorm(model, sync=True)
+    torch_bn_grad.convert_batchnorm(model, subclasses=True)
+    torch_bn_grad.convert_batchnorm(model, sync=True, subclasses=True)
     assert [type(m) for m in model] == types
-    synced = torch_bn_grad.convert_batchnorm(torch.nn.Sequential(TorchForwardBN(3)), sync=True)
+    synced = torch_bn_grad.convert_batchnorm(torch.nn.Sequential(TorchForwardBN(3)), sync=True, subclasses=True)
     assert isinstance(synced[0], bn_nn.SyncBatchNorm) and isinstance(synced[0], TorchForwardBN)
 
 
@@ -155,7 +155,7 @@ def test_state_is_kept():
     bn.eval()
     bn.extra_attribute = [1, 2]
     tensors = (bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked)
-    new = torch_bn_grad.convert_batchnorm(bn)
+    new = torch_bn_grad.convert_batchnorm(bn, subclasses=True)
     assert type(new) is bn_nn.BatchNorm2d and new is not bn
     assert (new.weight, new.bias, new.running_mean, new.running_var, new.num_batches_tracked) == tensors
     assert new.weight.requires_grad is False and new.bias.requires_grad is True
@@ -170,7 +170,7 @@ def test_state_is_kept():
 def test_bfloat16_and_meta_modules_keep_dtype_and_device():
     for kwargs in ({"dtype": torch.bfloat16}, {"device": "meta"}):
         bn = torch.nn.BatchNorm1d(4, **kwargs)
-        new = torch_bn_grad.convert_batchnorm(bn)
+        new = torch_bn_grad.convert_batchnorm(bn, subclasses=True)
         for name, t in new.state_dict().items():
             assert t.dtype == bn.state_dict()[name].dtype and t.device == bn.state_dict()[name].device
 
@@ -189,7 +189,7 @@ def test_hooks_fire_after_conversion():
     bn.register_load_state_dict_post_hook(lambda m, keys: calls.append("load-post"))
     removed = bn.register_forward_hook(lambda m, args, out: calls.append("removed"))
 
-    new = torch_bn_grad.convert_batchnorm(bn)
+    new = torch_bn_grad.convert_batchnorm(bn, subclasses=True)
     assert type(new) is bn_nn.BatchNorm2d
     removed.remove()  # a handle taken before the conversion still works
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
@@ -220,7 +220,7 @@ def test_state_dict_loads_both_ways():
 
 
 def test_pickle_of_converted_subclass_in_a_fresh_process(tmp_path):
-    model = torch_bn_grad.convert_batchnorm(torch.nn.Sequential(TorchForwardSyncBN(3)))
+    model = torch_bn_grad.convert_batchnorm(torch.nn.Sequential(TorchForwardSyncBN(3)), subclasses=True)
     assert isinstance(pickle.loads(pickle.dumps(model))[0], TorchForwardSyncBN)
     copied = copy.deepcopy(model)
     assert type(copied[0]) is type(model[0])
@@ -241,7 +241,7 @@ def test_pickle_of_converted_subclass_in_a_fresh_process(tmp_path):
 def test_timm_batchnormact2d_composition():
     layer = BatchNormAct2d(4, act_layer=torch.nn.SiLU, drop_layer=lambda: torch.nn.Dropout(0.0)).double()
     ref = copy.deepcopy(layer)
-    new = torch_bn_grad.convert_batchnorm(layer)
+    new = torch_bn_grad.convert_batchnorm(layer, subclasses=True)
     assert _is_ours(new) and isinstance(new, BatchNormAct2d)
     assert new.act is layer.act and new.drop is layer.drop
     assert new.state_dict().keys() == ref.state_dict().keys()
@@ -251,7 +251,7 @@ def test_timm_batchnormact2d_composition():
         _assert_same_run(ref, new, x)
     # No act (apply_act=False): the normalization alone.
     plain = BatchNormAct2d(4, apply_act=False).double()
-    converted = torch_bn_grad.convert_batchnorm(copy.deepcopy(plain))
+    converted = torch_bn_grad.convert_batchnorm(copy.deepcopy(plain), subclasses=True)
     _assert_same_run(plain, converted, x)
 
 
@@ -262,7 +262,7 @@ def test_timm_sync_batchnormact_is_converted():
     model = convert_sync_batchnorm(torch.nn.Sequential(BatchNormAct2d(4))).double()
     assert type(model[0]).__name__ == "SyncBatchNormAct"
     ref = copy.deepcopy(model)
-    torch_bn_grad.convert_batchnorm(model)
+    torch_bn_grad.convert_batchnorm(model, subclasses=True)
     assert isinstance(model[0], bn_nn.SyncBatchNorm)
     _assert_same_run(ref, model, torch.randn(3, 4, 5, 5, dtype=torch.float64))
 
@@ -280,7 +280,7 @@ def test_timm_model_converts_every_batchnorm(name):
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        converted = torch_bn_grad.convert_batchnorm(model)
+        converted = torch_bn_grad.convert_batchnorm(model, subclasses=True)
     assert sum(_is_ours(m) for m in converted.modules()) == batchnorms
     assert sum(isinstance(m, _BatchNorm) and not _is_ours(m) for m in converted.modules()) == 0
     assert converted.state_dict().keys() == ref.state_dict().keys()
@@ -297,3 +297,11 @@ def test_timm_model_converts_every_batchnorm(name):
     torch.save(fresh.state_dict(), buf)
     buf.seek(0)
     converted.load_state_dict(torch.load(buf))
+
+
+def test_subclasses_are_left_alone_by_default_with_a_warning() -> None:
+    """The contract's default: only torch's exact classes are replaced; a subclass is named, never skipped silently."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), TorchForwardBN(3))
+    with pytest.warns(UserWarning, match=r"1 \(.*\) is a subclass of torch's BatchNorm.*subclasses=True"):
+        torch_bn_grad.convert_batchnorm(model)
+    assert type(model[0]) is torch_bn_grad.nn.BatchNorm2d and type(model[1]) is TorchForwardBN

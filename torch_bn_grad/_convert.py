@@ -47,21 +47,25 @@ class _ActAfter:
 
 
 def convert(
-    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], name: str = ""
+    module: torch.nn.Module,
+    sync: bool,
+    process_group: Optional[dist.ProcessGroup],
+    subclasses: bool = False,
+    name: str = "",
 ) -> torch.nn.Module:
     """The body of :func:`torch_bn_grad.nn.convert_batchnorm`."""
-    replaced = _replacement(module, sync, process_group, name or "the root module")
+    replaced = _replacement(module, sync, process_group, subclasses, name or "the root module")
     if replaced is not None:
         return replaced
     for child_name, child in module.named_children():
-        new_child = convert(child, sync, process_group, f"{name}.{child_name}" if name else child_name)
+        new_child = convert(child, sync, process_group, subclasses, f"{name}.{child_name}" if name else child_name)
         if new_child is not child:
             setattr(module, child_name, new_child)
     return module
 
 
 def _replacement(
-    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], name: str
+    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool, name: str
 ) -> Optional[torch.nn.Module]:
     """This library's module in place of a torch BatchNorm (sharing its state); None to keep it."""
     from torch_bn_grad import nn as ours
@@ -79,6 +83,13 @@ def _replacement(
     to_sync = sync or isinstance(module, torch.nn.SyncBatchNorm)
     if kind in exact or kind is torch.nn.SyncBatchNorm:
         target = ours.SyncBatchNorm if to_sync else exact[kind]
+    elif not subclasses:
+        # The contract: subclasses stay as they are unless asked for; never silently.
+        warnings.warn(
+            f"convert_batchnorm: {name} ({_describe(kind)}) is a subclass of torch's BatchNorm and was left "
+            "unconverted; pass subclasses=True to convert subclasses whose forward is torch's own and timm's "
+            "BatchNormAct2d", UserWarning, stacklevel=3)
+        return None
     elif _is_timm_norm_act(kind):
         target = _derived(kind, ours.SyncBatchNorm if to_sync else ours._FusedForward, act=True)
     elif kind.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):

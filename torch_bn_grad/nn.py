@@ -140,14 +140,19 @@ class SyncBatchNorm(_FusedForward, _BatchNorm):
 
 
 def convert_batchnorm(
-    module: torch.nn.Module, *, sync: bool = False, process_group: Optional[dist.ProcessGroup] = None
+    module: torch.nn.Module,
+    *,
+    sync: bool = False,
+    process_group: Optional[dist.ProcessGroup] = None,
+    subclasses: bool = False,
 ) -> torch.nn.Module:
     """Replace every torch ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` with this library's.
 
     With ``sync=True`` every one becomes a :class:`SyncBatchNorm` over
     ``process_group`` (None: the world); a torch ``SyncBatchNorm`` becomes ours
     even with ``sync=False``, keeping its own group unless ``process_group``
-    is given. A subclass of torch's BatchNorm whose ``forward`` is torch's own,
+    is given. Subclasses of torch's BatchNorm are left alone, each named in a
+    ``UserWarning``, unless ``subclasses=True``: then a subclass whose ``forward`` is torch's own,
     and timm's ``BatchNormAct2d`` (its ``drop`` and ``act`` kept, applied after
     the normalization as timm does), become a class derived from the subclass
     with this library's forward. Other subclasses and the Lazy variants are left
@@ -159,4 +164,4 @@ def convert_batchnorm(
     """
     from torch_bn_grad._convert import convert
 
-    return convert(module, sync, process_group)
+    return convert(module, sync, process_group, subclasses)
