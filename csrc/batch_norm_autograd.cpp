@@ -8,7 +8,9 @@
 // (batch_norm_backward has its own autograd formula).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <array>
@@ -18,7 +20,6 @@
 namespace torch_bn_grad {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptionalTensor = std::optional<at::Tensor>;
 using Outputs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -137,57 +138,75 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
 
 bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 
-// The autograd node of batch_norm_forward.
-struct ForwardFunction : public torch::autograd::Function<ForwardFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& src, const OptionalTensor& gamma,
-                               const OptionalTensor& beta, const OptionalTensor& mean,
-                               const OptionalTensor& variance, double epsilon, c10::string_view data_format) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [dst, mean_used, variance_used] =
-        forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format);
-    const bool batch_statistics = !given(mean);
-    // Frozen statistics are saved as given, so that double backward reaches them.
-    ctx->save_for_backward({src, given(gamma) ? *gamma : at::Tensor(),
-                            batch_statistics ? mean_used : *mean,
-                            batch_statistics ? variance_used : *variance});
-    // Unused statistics outputs then get undefined gradients, not full-size zero work.
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["epsilon"] = epsilon;
-    ctx->saved_data["data_format"] = std::string(data_format);
-    ctx->saved_data["batch_statistics"] = batch_statistics;
-    // Which inputs are autograd edges (defined tensors), in order.
-    ctx->saved_data["given"] = c10::List<bool>({true, given(gamma), given(beta), given(mean), given(variance)});
-    const OptionalTensor param = given(gamma) ? gamma : beta;
-    ctx->saved_data["param_dtype"] =
-        given(param) ? static_cast<int64_t>(param->scalar_type()) : static_cast<int64_t>(-1);
-    return {dst, mean_used, variance_used};
+// The autograd node of batch_norm_forward. A plain Node, as ATen's own are
+// (torch::autograd::Function is refused under torch.func transforms); the
+// dispatcher calls this kernel once per torch.func level, as it calls ATen's.
+struct ForwardNode : public torch::autograd::Node {
+  torch::autograd::SavedVariable src, gamma, mean, variance;
+  double epsilon = 0;
+  std::string data_format;
+  bool batch_statistics = true;
+  std::optional<at::ScalarType> param_dtype;
+
+  std::string name() const override { return "BatchNormForwardBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    // One edge per input, an empty one for an absent optional tensor.
+    std::array<bool, 5> needs{};
+    for (size_t input = 0; input < 5; ++input) needs[input] = task_should_compute_output(input);
+    const auto self = getptr();
+    const at::Tensor gamma_value = gamma.unpack(self);
+    auto [diff_src, diff_gamma, diff_beta, diff_mean, diff_variance] = batch_norm_forward_grad(
+        src.unpack(self), gamma_value.defined() ? OptionalTensor(gamma_value) : std::nullopt, mean.unpack(self),
+        variance.unpack(self), grads[0], grads[1], grads[2], epsilon, data_format, batch_statistics,
+        param_dtype, needs);
+    return {diff_src, diff_gamma, diff_beta, diff_mean, diff_variance};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto present = ctx->saved_data["given"].toBoolList();
-    // needs_input_grad counts edges, which exist for the given tensors only.
-    std::array<bool, 5> needs{};
-    for (size_t input = 0, edge = 0; input < 5; ++input) {
-      if (present[input]) needs[input] = ctx->needs_input_grad(edge++);
-    }
-    const int64_t dtype_code = ctx->saved_data["param_dtype"].toInt();
-    const std::optional<at::ScalarType> param_dtype =
-        dtype_code < 0 ? std::nullopt : std::optional<at::ScalarType>(static_cast<at::ScalarType>(dtype_code));
-    const OptionalTensor gamma = saved[1].defined() ? OptionalTensor(saved[1]) : std::nullopt;
-    auto [diff_src, diff_gamma, diff_beta, diff_mean, diff_variance] = batch_norm_forward_grad(
-        saved[0], gamma, saved[2], saved[3], grads[0], grads[1], grads[2], ctx->saved_data["epsilon"].toDouble(),
-        ctx->saved_data["data_format"].toStringRef(), ctx->saved_data["batch_statistics"].toBool(), param_dtype,
-        needs);
-    return {diff_src, diff_gamma, diff_beta, diff_mean, diff_variance, at::Tensor(), at::Tensor()};
+  void release_variables() override {
+    src.reset_data();
+    gamma.reset_data();
+    mean.reset_data();
+    variance.reset_data();
   }
 };
 
 Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
                                      const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
                                      c10::string_view data_format) {
-  auto outputs = ForwardFunction::apply(src, gamma, beta, mean, variance, epsilon, data_format);
-  return {outputs[0], outputs[1], outputs[2]};
+  TORCH_CHECK_NOT_IMPLEMENTED(!(torch::autograd::isFwGradDefined(src) || torch::autograd::isFwGradDefined(gamma) ||
+                torch::autograd::isFwGradDefined(beta) || torch::autograd::isFwGradDefined(mean) ||
+                torch::autograd::isFwGradDefined(variance)),
+              "batch_norm_forward: forward-mode AD (jvp, jacfwd) is not implemented");
+  c10::intrusive_ptr<ForwardNode> node;
+  if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance)) {
+    node = c10::make_intrusive<ForwardNode>();
+    node->set_next_edges(torch::autograd::collect_next_edges(src, gamma, beta, mean, variance));
+  }
+  auto outputs = [&] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format);
+  }();
+  if (node) {
+    auto& [dst, mean_used, variance_used] = outputs;
+    torch::autograd::set_history(dst, node);
+    torch::autograd::set_history(mean_used, node);
+    torch::autograd::set_history(variance_used, node);
+    const bool batch_statistics = !given(mean);
+    node->src = torch::autograd::SavedVariable(src, false);
+    node->gamma = torch::autograd::SavedVariable(given(gamma) ? *gamma : at::Tensor(), false);
+    // Frozen statistics are saved as given, so that double backward reaches them.
+    node->mean = batch_statistics ? torch::autograd::SavedVariable(mean_used, true)
+                                  : torch::autograd::SavedVariable(*mean, false);
+    node->variance = batch_statistics ? torch::autograd::SavedVariable(variance_used, true)
+                                      : torch::autograd::SavedVariable(*variance, false);
+    node->epsilon = epsilon;
+    node->data_format = std::string(data_format);
+    node->batch_statistics = batch_statistics;
+    const OptionalTensor param = given(gamma) ? gamma : beta;
+    if (given(param)) node->param_dtype = param->scalar_type();
+  }
+  return outputs;
 }
 
 }  // namespace

@@ -55,7 +55,9 @@ def _batch_norm(
     _verify_batch_size(input)
     if not eps > 0:
         raise ValueError(f"batch_norm: eps must be positive in training, got {eps}")
-    dst, mean, var = ops.batch_norm_forward(input, weight, bias, epsilon=eps)
+    eps = float(eps)
+    # The operator itself: its wrapper's Python-type checks are moot here (eps is a checked number).
+    dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(input, weight, bias, None, None, eps, "NCX")
     count = input.numel() // max(input.shape[1], 1) if input.dim() >= 2 else 0
     if count > 0 and (running_mean is not None or running_var is not None):
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
