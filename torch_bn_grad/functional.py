@@ -7,7 +7,6 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import ops
 from torch_bn_grad._running_stats import update_running_stats
 
 __all__ = ["batch_norm"]
@@ -50,7 +49,9 @@ def _batch_norm(
     if not training:
         if running_mean is None or running_var is None:
             raise ValueError("batch_norm: running_mean and running_var must be given when training=False")
-        dst, _, _ = ops.batch_norm_forward(input, weight, bias, running_mean, running_var, epsilon=eps)
+        dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.default(
+            input, weight, bias, running_mean, running_var, float(eps), "NCX"
+        )
         return dst
     _verify_batch_size(input)
     if not eps > 0:
