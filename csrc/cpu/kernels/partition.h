@@ -90,12 +90,23 @@ inline Block block_at(const Blocks& b, const Extent& e, int64_t id) {
   return blk;
 }
 
+// Below this many elements an operator runs on the calling thread: waking the
+// pool costs more than the work (ATen's batch norm uses the same grain). The
+// blocks, and so the results, do not depend on it.
+constexpr int64_t kSerialElements = 32768;
+
+// parallel_for's grain for `items` work items of an operator on `e`: all of them
+// on the calling thread when the operator is small, else one item per task.
+inline int64_t grain_for(const Extent& e, int64_t items) {
+  return e.outer * e.channels * e.inner < kSerialElements ? items + 1 : 1;
+}
+
 // Runs f on every block in parallel. Threads get the same contiguous ranges of
 // blocks on every call; `reverse` walks each range backwards, starting with
 // the blocks the thread read last, which are still in its cache.
 template <typename F>
 void for_each_block(const Blocks& b, const Extent& e, bool reverse, const F& f) {
-  at::parallel_for(0, b.total, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b.total, grain_for(e, b.total), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) f(block_at(b, e, reverse ? begin + end - 1 - i : i));
   });
 }
@@ -114,7 +125,7 @@ template <typename Reduce, typename Finish, typename Apply>
 void for_each_channel(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
                       const Apply& apply) {
   const int64_t per = b.per_channel();
-  at::parallel_for(0, e.channels, 1, [&](int64_t k0, int64_t k1) {
+  at::parallel_for(0, e.channels, grain_for(e, e.channels), [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       for (int64_t i = 0; i < per; ++i) reduce(block_at(b, e, k * per + i));
       finish(k);
