@@ -67,11 +67,13 @@ def module_forward(
             factor = 1.0 / num_batches_tracked.double()
         else:
             factor = torch.full((), 0.0 if momentum is None else momentum, dtype=torch.float64)
+        # The update of _running_stats.update_running_stats (which takes int-or-tensor
+        # counts, not TorchScript), as lerp like it, so scripted and eager agree.
         # Detached: the running statistics stay out of the autograd graph.
         mean, var = mean.detach(), var.detach()
         if running_mean is not None:
-            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype) * factor)
+            running_mean.lerp_(mean.to(running_mean.dtype), factor)
         if running_var is not None:
             unbiased = var * (count / (count - 1)) if count > 1 else var
-            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype) * factor)
+            running_var.lerp_(unbiased.to(running_var.dtype), factor)
     return dst
