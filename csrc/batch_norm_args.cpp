@@ -239,12 +239,10 @@ ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_ds
   return build_plan(src, kept, std::move(stats_shape));
 }
 
-ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
-                               const std::optional<at::Tensor>& beta,
-                               const std::optional<at::Tensor>& mean,
-                               const std::optional<at::Tensor>& variance, double epsilon,
-                               c10::string_view data_format) {
-  const char* op = "batch_norm_forward";
+namespace {
+ChannelPlan forward_plan(const char* op, const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                         const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+                         const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format) {
   check_src(op, src, epsilon, data_format);
   TORCH_CHECK_VALUE(mean.has_value() == variance.has_value(), op,
                     ": mean and variance must be given together (frozen statistics) or both "
@@ -273,6 +271,80 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
     if (t->has_value() && &t->value() != first) check_param(op, name, t->value(), src, stats_shape, first, first_name);
   }
   return build_plan(src, kept, std::move(stats_shape));
+}
+
+// The activation's name and negative_slope (finite, >= 0: leaky_relu's
+// backward reads act' from the output's sign).
+act::Kind check_activation(const char* op, c10::string_view activation, double negative_slope) {
+  act::Kind kind = act::Kind::identity;
+  bool known = false;
+  for (int i = 0; i < 4; ++i) {
+    if (activation == act::kind_names[i]) {
+      kind = static_cast<act::Kind>(i);
+      known = true;
+    }
+  }
+  TORCH_CHECK_VALUE(known, op, ": activation must be 'identity', 'relu', 'leaky_relu' or 'silu', got '",
+                    std::string(activation), "'");
+  TORCH_CHECK_VALUE(std::isfinite(negative_slope) && negative_slope >= 0, op,
+                    ": negative_slope must be finite and >= 0, got ", negative_slope);
+  return kind;
+}
+}  // namespace
+
+ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                               const std::optional<at::Tensor>& beta,
+                               const std::optional<at::Tensor>& mean,
+                               const std::optional<at::Tensor>& variance, double epsilon,
+                               c10::string_view data_format) {
+  return forward_plan("batch_norm_forward", src, gamma, beta, mean, variance, epsilon, data_format);
+}
+
+ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                               const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+                               const std::optional<at::Tensor>& variance,
+                               const std::optional<at::Tensor>& residual, double epsilon,
+                               c10::string_view activation, double negative_slope, c10::string_view data_format) {
+  const char* op = "batch_norm_act_forward";
+  ActPlan p{forward_plan(op, src, gamma, beta, mean, variance, epsilon, data_format), act::Kind::identity};
+  if (residual.has_value()) check_same_like_src(op, "residual", *residual, src);
+  p.kind = check_activation(op, activation, negative_slope);
+  return p;
+}
+
+ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<at::Tensor>& src,
+                                const std::optional<at::Tensor>& dst, const std::optional<at::Tensor>& residual,
+                                const at::Tensor& mean, const at::Tensor& variance,
+                                const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                double epsilon, c10::string_view activation, double negative_slope,
+                                c10::string_view data_format, bool from_output) {
+  const char* op = "batch_norm_act_backward";
+  const act::Kind kind = check_activation(op, activation, negative_slope);
+  TORCH_CHECK_VALUE(!from_output || act::invertible(kind, negative_slope), op,
+                    ": from_output needs an invertible activation ('identity', or 'leaky_relu' with "
+                    "negative_slope > 0), got activation='", std::string(activation), "', negative_slope=",
+                    negative_slope);
+  // What the kernels read: the data (src, or dst from the output), and dst
+  // for act' of relu/leaky_relu.
+  const bool needs_dst = from_output || kind == act::Kind::relu || kind == act::Kind::leaky_relu;
+  TORCH_CHECK_VALUE(from_output || src.has_value(), op, ": src must be given unless from_output=True, got None");
+  TORCH_CHECK_VALUE(!needs_dst || dst.has_value(), op, ": dst must be given for activation='",
+                    std::string(activation), "'", from_output ? " with from_output=True" : "", ", got None");
+  TORCH_CHECK_VALUE(!from_output || beta.has_value(), op,
+                    ": beta must be given with from_output=True (the output is inverted with it), got None");
+  const at::Tensor& data = from_output ? *dst : *src;
+  check_src(op, data, epsilon, data_format);
+  check_same_like_src(op, "diff_dst", diff_dst, data);
+  if (!from_output && dst.has_value()) check_same_like_src(op, "dst", *dst, data);
+  if (residual.has_value()) check_same_like_src(op, "residual", *residual, data);
+  std::vector<int64_t> stats_shape;
+  check_same_device(op, "mean", mean, data);
+  check_param_dtype(op, "mean", mean, data, nullptr, nullptr);
+  const auto kept = kept_dims(op, data, &mean, "mean", data_format, stats_shape);
+  check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, &mean, "mean");
+  if (beta.has_value()) check_param(op, "beta", *beta, data, stats_shape, &mean, "mean");
+    return {build_plan(data, kept, std::move(stats_shape)), kind};
 }
 
 ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "activation_math.h"
 #include "extent.h"
 
 namespace torch_bn_grad {
@@ -50,6 +51,24 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
                                const std::optional<at::Tensor>& mean,
                                const std::optional<at::Tensor>& variance, double epsilon,
                                c10::string_view data_format);
+
+// The fused batch_norm_act operators' arguments: the plan and the activation.
+// The backward's data tensor (the plan's src) is src, or dst when from_output.
+struct ActPlan {
+  ChannelPlan plan;
+  act::Kind kind;
+};
+ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                               const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+                               const std::optional<at::Tensor>& variance,
+                               const std::optional<at::Tensor>& residual, double epsilon,
+                               c10::string_view activation, double negative_slope, c10::string_view data_format);
+ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<at::Tensor>& src,
+                                const std::optional<at::Tensor>& dst, const std::optional<at::Tensor>& residual,
+                                const at::Tensor& mean, const at::Tensor& variance,
+                                const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                double epsilon, c10::string_view activation, double negative_slope,
+                                c10::string_view data_format, bool from_output);
 
 // The split-stage operators' arguments (1-D statistics only; per-channel
 // statistics float64 of shape (C,), packed rows (rows, C)), and their plan.

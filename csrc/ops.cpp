@@ -71,6 +71,34 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "ScalarType? param_dtype, bool[5] output_mask) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_mean, Tensor diff_variance)");
 
+  // Fused batch norm + residual add + activation:
+  // dst = act(batch_norm(src) + residual), activation 'identity', 'relu',
+  // 'leaky_relu' (negative_slope >= 0) or 'silu'; the other arguments, the
+  // layouts and the returned statistics as batch_norm_forward's. `residual`
+  // (optional) has src's shape and dtype. `memory_saving` changes no result:
+  // it tells the autograd formula to keep dst (and residual) instead of src,
+  // the backward then running from_output (invertible activations only).
+  m.def(
+      "batch_norm_act_forward(Tensor src, Tensor? gamma, Tensor? beta, Tensor? mean, Tensor? variance, "
+      "Tensor? residual, float epsilon, str activation, float negative_slope, str data_format, "
+      "bool memory_saving) -> (Tensor dst, Tensor mean, Tensor variance)");
+  // Its gradient, in two passes over the data: the sums of dz and dz * (x - mean),
+  // dz = diff_dst * act'(z), then diff_src (and diff_residual = dz). act' is read
+  // from dst for relu/leaky_relu (dst > 0 iff z > 0), recomputed from src (and
+  // residual) and the statistics for silu; identity needs neither.
+  // from_output=True (memory saving, inplace_abn's idea): src is not read (may
+  // be None); x is recovered from dst as (act^-1(dst) - residual - beta) / gamma
+  // in the normalized frame, so beta is required, the activation must be
+  // invertible (identity, leaky_relu with negative_slope > 0), and a gamma with
+  // zeros gives inf/nan (the caller's problem, as in inplace_abn). The residual
+  // passed must be the forward's (silu and from_output read it).
+  // Masked outputs come back empty; diff_residual is dz, of src's shape.
+  m.def(
+      "batch_norm_act_backward(Tensor diff_dst, Tensor? src, Tensor? dst, Tensor? residual, Tensor mean, "
+      "Tensor variance, Tensor? gamma, Tensor? beta, float epsilon, str activation, float negative_slope, "
+      "str data_format, bool training, bool from_output, bool[4] output_mask) "
+      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_residual)");
+
   // Split stages, for batch statistics over several processes (SyncBatchNorm).
   // They take the 1-D channel form (src of rank 2 to 8, channel axis chosen by
   // data_format); their per-channel statistics are float64 of shape (C,), and

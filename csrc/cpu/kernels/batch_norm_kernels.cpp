@@ -36,9 +36,8 @@
 
 #include "batch_norm_math.h"
 #include "cpu/kernels/kernel_table.h"
+#include "cpu/kernels/operators.h"
 #include "cpu/kernels/partition.h"
-#include "cpu/kernels/plane_kernels.h"
-#include "cpu/kernels/row_kernels.h"
 
 #define TBG_CONCAT_IMPL(a, b) a##b
 #define TBG_CONCAT(a, b) TBG_CONCAT_IMPL(a, b)
@@ -48,117 +47,6 @@
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-using Moments = math::Moments<double>;
-using GradSums = math::GradSums<double>;
-
-// ---------------------------------------------------------------- one block
-// The plane or the row kernel for a block of partition `b`.
-template <typename T>
-void stats_block(const Blocks& b, const T* x, const Extent& e, const Block& blk, Partials<Moments>& out) {
-  if (b.planes) PlaneKernels<T>::stats(x, e, blk, out);
-  else RowKernels<T>::stats(x, e, blk, out);
-}
-
-template <typename T>
-void grad_sums_block(const Blocks& b, const T* x, const T* dy, const Extent& e, const Block& blk,
-                     const at::opmath_type<T>* mean, Partials<GradSums>& out) {
-  if (b.planes) PlaneKernels<T>::grad_sums(x, dy, e, blk, mean, out);
-  else RowKernels<T>::grad_sums(x, dy, e, blk, mean, out);
-}
-
-template <typename T>
-void affine_block(const Blocks& b, const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                  const math::AffineArrays<at::opmath_type<T>>& c) {
-  if (b.planes) PlaneKernels<T>::affine(x, y, out, e, blk, c);
-  else RowKernels<T>::affine(x, y, out, e, blk, c);
-}
-
-// The elementwise pass's per-channel coefficients (math::ChannelAffine) as
-// arrays, of the accumulation type.
-template <typename A>
-struct AffineTable {
-  std::vector<A> mean, dy_scale, x_scale, bias;
-  explicit AffineTable(int64_t channels) : mean(channels), dy_scale(channels), x_scale(channels), bias(channels) {}
-  void set(int64_t k, const math::ChannelAffine<A>& c) {
-    mean[k] = c.mean;
-    dy_scale[k] = c.dy_scale;
-    x_scale[k] = c.x_scale;
-    bias[k] = c.bias;
-  }
-  math::AffineArrays<A> arrays() const { return {mean.data(), dy_scale.data(), x_scale.data(), bias.data()}; }
-};
-
-// ---------------------------------------------------------------- operators
-template <typename T>
-void forward_batch_impl(const T* x, T* y, const Extent& e, const double* gamma, const double* beta,
-                        double eps, double* mean, double* var) {
-  using acc_t = at::opmath_type<T>;
-  const Blocks b(e);
-  Partials<Moments> parts(e.channels, b.per_channel());
-  AffineTable<acc_t> co(e.channels);
-  const math::AffineArrays<acc_t> coefficients = co.arrays();
-  auto reduce = [&](const Block& blk) { stats_block(b, x, e, blk, parts); };
-  auto finish = [&](int64_t k) {
-    const Moments m = parts.merged(k, {0, 0, 0});
-    mean[k] = m.mean;
-    var[k] = math::variance_of(m);
-    co.set(k, math::channel_affine<acc_t>(mean[k], math::forward_coefficients(var[k], gamma[k], beta[k], eps)));
-  };
-  auto normalize = [&](const Block& blk) { affine_block<T>(b, x, nullptr, y, e, blk, coefficients); };
-  if (per_channel_strategy(b, e)) {
-    for_each_channel(b, e, reduce, finish, normalize);
-    return;
-  }
-  for_each_block(b, e, false, reduce);
-  for (int64_t k = 0; k < e.channels; ++k) finish(k);
-  for_each_block(b, e, true, normalize);
-}
-
-template <typename T>
-void forward_frozen_impl(const T* x, T* y, const Extent& e, const double* mean, const double* var,
-                         const double* gamma, const double* beta, double eps) {
-  using acc_t = at::opmath_type<T>;
-  AffineTable<acc_t> co(e.channels);
-  for (int64_t k = 0; k < e.channels; ++k)
-    co.set(k, math::channel_affine<acc_t>(mean[k], math::forward_coefficients(var[k], gamma[k], beta[k], eps)));
-  const Blocks b(e);
-  const math::AffineArrays<acc_t> coefficients = co.arrays();
-  for_each_block(b, e, false, [&](const Block& blk) { affine_block<T>(b, x, nullptr, y, e, blk, coefficients); });
-}
-
-template <typename T>
-void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double* mean, const double* var,
-                   const double* gamma, double eps, bool training, double* diff_gamma, double* diff_beta) {
-  using acc_t = at::opmath_type<T>;
-  const Blocks b(e);
-  const bool need_sums = training || diff_gamma != nullptr || diff_beta != nullptr;
-  const double count = static_cast<double>(e.reduced());
-  Partials<GradSums> parts(e.channels, b.per_channel());
-  AffineTable<acc_t> co(e.channels);
-  // The sums are centred on the rounded mean the elementwise pass subtracts.
-  for (int64_t k = 0; k < e.channels; ++k) co.mean[k] = static_cast<acc_t>(mean[k]);
-  const math::AffineArrays<acc_t> coefficients = co.arrays();
-  auto reduce = [&](const Block& blk) { grad_sums_block(b, x, dy, e, blk, coefficients.mean, parts); };
-  auto finish = [&](int64_t k) {
-    GradSums sums{0, 0};
-    if (need_sums) sums = parts.merged(k, {0, 0});
-    sums = math::recentre(sums, mean[k], static_cast<double>(co.mean[k]));
-    co.set(k, math::channel_affine<acc_t>(
-                  mean[k], math::backward_coefficients(var[k], gamma[k], eps, sums, count, training)));
-    const math::ParameterGrads grads = math::parameter_grads(var[k], eps, sums);
-    if (diff_gamma) diff_gamma[k] = grads.diff_gamma;
-    if (diff_beta) diff_beta[k] = grads.diff_beta;
-  };
-  auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients); };
-  if (need_sums && dx && per_channel_strategy(b, e)) {
-    for_each_channel(b, e, reduce, finish, apply);
-    return;
-  }
-  if (need_sums) for_each_block(b, e, false, reduce);
-  for (int64_t k = 0; k < e.channels; ++k) finish(k);
-  if (dx) for_each_block(b, e, need_sums, apply);
-}
 
 // ---------------------------------------------------------------- split-stage primitives
 template <typename T>
@@ -215,7 +103,7 @@ double* f64_out(at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<double>
 void forward_batch(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& gamma,
                    const at::Tensor& beta, double epsilon, at::Tensor& mean, at::Tensor& var) {
   TBG_DISPATCH(src, "forward_batch", [&] {
-    forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), dst.mutable_data_ptr<scalar_t>(), e, f64(gamma),
+    forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, f64(gamma),
                                  f64(beta), epsilon, f64_out(mean), f64_out(var));
   });
 }
@@ -223,7 +111,7 @@ void forward_batch(const at::Tensor& src, at::Tensor& dst, const Extent& e, cons
 void forward_frozen(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& mean,
                     const at::Tensor& var, const at::Tensor& gamma, const at::Tensor& beta, double epsilon) {
   TBG_DISPATCH(src, "forward_frozen", [&] {
-    forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), dst.mutable_data_ptr<scalar_t>(), e, f64(mean),
+    forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, f64(mean),
                                   f64(var), f64(gamma), f64(beta), epsilon);
   });
 }
@@ -234,7 +122,7 @@ void backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& dif
   TBG_DISPATCH(src, "backward", [&] {
     backward_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
                             diff_src.defined() ? diff_src.mutable_data_ptr<scalar_t>() : nullptr, e, f64(mean),
-                            f64(var), f64(gamma), epsilon, training, f64_out(diff_gamma), f64_out(diff_beta));
+                            nullptr, f64(var), f64(gamma), epsilon, training, f64_out(diff_gamma), f64_out(diff_beta));
   });
 }
 

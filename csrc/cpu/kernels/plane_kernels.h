@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "batch_norm_math.h"
+#include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/exact_sum.h"
 #include "cpu/kernels/partition.h"
 #include "cpu/kernels/vec_io.h"
@@ -172,11 +173,14 @@ struct PlaneKernels {
     out.at(k, blk.slot) = math::centred_moments(count, sum_x, centre, sd.total(0));
   }
 
-  // The block's exact sum(dy) and sum(dy * (x - mean)).
+  // The block's exact sum(dy) and sum(dy * (x - mean)); with an epilogue,
+  // of dz and of the value it centres (epilogue.h).
+  template <typename E = PlainEpilogue<T>>
   static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
-                        Partials<math::GradSums<double>>& out) {
+                        Partials<math::GradSums<double>>& out, const E& ep = E{}) {
     const int64_t k = blk.channel;
     const Vec m(mean[k]);
+    const auto bound = ep.plane(k);
     Sums<2> st;
     // Zero-filled dy lanes of a partial chunk add nothing to either sum.
     walk_plane_rows(e, blk, x, dy, [&](int64_t off, auto c, auto lanes) {
@@ -188,6 +192,7 @@ struct PlaneKernels {
         IO::load_partial(dy + off, lanes, dv);
         IO::load_partial(x + off, lanes, xv);
       }
+      bound.apply(off, lanes, xv, dv);
       for (int q = 0; q < P; ++q) {
         st.run[0][c + q] = st.run[0][c + q] + dv[q];
         st.run[1][c + q] = at::vec::fmadd(dv[q], xv[q] - m, st.run[1][c + q]);
@@ -197,12 +202,15 @@ struct PlaneKernels {
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
-  // null (the forward's normalization, dy_scale unused).
+  // null (the forward's normalization, dy_scale unused). The epilogue turns
+  // y into dz in the backward, or activates out in the forward.
+  template <typename E = PlainEpilogue<T>>
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                     const math::AffineArrays<acc_t>& c) {
+                     const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
     const int64_t C = e.channels, I = e.inner;
     Vec xv[P], yv[P];
     const int64_t k = blk.channel;
+    const auto bound = ep.plane(k);
     const Vec m(c.mean[k]), xs(c.x_scale[k]), b(c.bias[k]), ys(y ? c.dy_scale[k] : acc_t(0));
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
@@ -217,20 +225,30 @@ struct PlaneKernels {
       int64_t j = blk.s0;
       for (; j + K <= blk.s1; j += K) {
         IO::load(x + off + j, xv);
-        if (y) IO::load(y + off + j, yv);
+        if (y) {
+          IO::load(y + off + j, yv);
+          bound.apply(off + j, K, xv, yv);
+          ep.store_dz(off + j, K, yv);
+        }
         for (int q = 0; q < P; ++q) {
           xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
           if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
+          ep.post(xv[q]);
         }
         IO::store(out + off + j, xv);
       }
       if (j < blk.s1) {
         const int64_t rest = blk.s1 - j;
         IO::load_partial(x + off + j, rest, xv);
-        if (y) IO::load_partial(y + off + j, rest, yv);
+        if (y) {
+          IO::load_partial(y + off + j, rest, yv);
+          bound.apply(off + j, rest, xv, yv);
+          ep.store_dz(off + j, rest, yv);
+        }
         for (int q = 0; q < P; ++q) {
           xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
           if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
+          ep.post(xv[q]);
         }
         IO::store_partial(out + off + j, rest, xv);
       }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "batch_norm_math.h"
+#include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/exact_sum.h"
 #include "cpu/kernels/partition.h"
 #include "cpu/kernels/vec_io.h"
@@ -121,9 +122,11 @@ struct RowKernels {
       out.at(c0 + j, blk.slot) = math::centred_moments(count, sx.value(j), centre[j], sd.value(j));
   }
 
-  // The block's exact sum(dy) and sum(dy * (x - mean)) of each of its channels.
+  // The block's exact sum(dy) and sum(dy * (x - mean)) of each of its
+  // channels; with an epilogue, of dz and of the value it centres.
+  template <typename E = PlainEpilogue<T>>
   static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
-                        Partials<math::GradSums<double>>& out) {
+                        Partials<math::GradSums<double>>& out, const E& ep = E{}) {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
@@ -136,10 +139,12 @@ struct RowKernels {
           run_dy[q] = run_dy_xc[q] = Vec(acc_t(0));
           m[q] = Vec::loadu(mean + c0 + j + q * W);
         }
+        const auto bound = ep.columns(c0 + j);
         for (int64_t o = r0; o < r1; ++o) {
           const int64_t off = o * C + c0 + j;
           IO::load(dy + off, dv);
           IO::load(x + off, xv);
+          bound.apply(off, K, xv, dv);
           for (int q = 0; q < P; ++q) {
             run_dy[q] = run_dy[q] + dv[q];
             run_dy_xc[q] = at::vec::fmadd(dv[q], xv[q] - m[q], run_dy_xc[q]);
@@ -153,9 +158,10 @@ struct RowKernels {
       for (int64_t o = r0; o < r1; ++o) {
         const int64_t off = o * C + c0;
         for (int64_t j = vec_end; j < nc; ++j) {
-          const acc_t d = static_cast<acc_t>(dy[off + j]);
+          acc_t d = static_cast<acc_t>(dy[off + j]), xa = static_cast<acc_t>(x[off + j]);
+          ep.scalar(off + j, c0 + j, xa, d);
           sum_dy.add(j, d);
-          sum_dy_xc.add(j, d * (static_cast<acc_t>(x[off + j]) - mean[c0 + j]));
+          sum_dy_xc.add(j, d * (xa - mean[c0 + j]));
         }
       }
     }
@@ -163,9 +169,11 @@ struct RowKernels {
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
-  // null (the forward's normalization, dy_scale unused).
+  // null (the forward's normalization, dy_scale unused). The epilogue turns
+  // y into dz in the backward, or activates out in the forward.
+  template <typename E = PlainEpilogue<T>>
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                     const math::AffineArrays<acc_t>& c) {
+                     const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
     const int64_t C = e.channels;
     // Local copies: the vector stores may alias anything, c's fields included.
     const acc_t *mean = c.mean, *dy_scale = c.dy_scale, *x_scale = c.x_scale, *bias = c.bias;
@@ -176,23 +184,35 @@ struct RowKernels {
       int64_t j = c0;
       for (; j + K <= c1; j += K) {
         IO::load(x + off + j, xv);
-        if (y) IO::load(y + off + j, yv);
+        if (y) {
+          IO::load(y + off + j, yv);
+          ep.columns(j).apply(off + j, K, xv, yv);
+          ep.store_dz(off + j, K, yv);
+        }
         for (int q = 0; q < P; ++q) {
           const int64_t jq = j + q * W;
           xv[q] = at::vec::fmadd(xv[q] - Vec::loadu(mean + jq), Vec::loadu(x_scale + jq), Vec::loadu(bias + jq));
           if (y) xv[q] = at::vec::fmadd(Vec::loadu(dy_scale + jq), yv[q], xv[q]);
+          ep.post(xv[q]);
         }
         IO::store(out + off + j, xv);
       }
-      for (; j < c1; ++j) out[off + j] = scalar(x, y, off + j, j, c);
+      for (; j < c1; ++j) out[off + j] = scalar(x, y, off + j, j, c, ep);
     }
   }
 
   // One element of affine(), of channel k, at offset i.
-  static T scalar(const T* x, const T* y, int64_t i, int64_t k, const math::AffineArrays<acc_t>& c) {
-    acc_t r = (static_cast<acc_t>(x[i]) - c.mean[k]) * c.x_scale[k] + c.bias[k];
-    if (y) r += c.dy_scale[k] * static_cast<acc_t>(y[i]);
-    return static_cast<T>(r);
+  template <typename E>
+  static T scalar(const T* x, const T* y, int64_t i, int64_t k, const math::AffineArrays<acc_t>& c, const E& ep) {
+    acc_t xa = static_cast<acc_t>(x[i]);
+    acc_t d = y ? static_cast<acc_t>(y[i]) : acc_t(0);
+    if (y) {
+      ep.scalar(i, k, xa, d);
+      ep.scalar_store_dz(i, d);
+    }
+    acc_t r = (xa - c.mean[k]) * c.x_scale[k] + c.bias[k];
+    if (y) r += c.dy_scale[k] * d;
+    return static_cast<T>(ep.scalar_post(r));
   }
 };
 

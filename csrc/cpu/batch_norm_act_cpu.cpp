@@ -1,0 +1,118 @@
+// CPU implementations of the fused batch_norm_act operators: validate, lay
+// the data out as [outer, channels, inner] and run the kernels of the running
+// CPU's instruction set (cpu/kernels/act_kernel_table.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "batch_norm_args.h"
+#include "cpu/kernels/act_kernel_table.h"
+#include "cpu/output_cache.h"
+
+namespace torch_bn_grad::cpu {
+namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan) {
+  return t.has_value() ? to_kernel_layout(*t, plan) : at::Tensor();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
+    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
+    const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
+    double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
+  const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                                 negative_slope, data_format);
+  const ChannelPlan& plan = checked.plan;
+  KernelOutput out = make_kernel_output(src, plan, output_allocator());
+  ActForwardArgs a;
+  a.src = to_kernel_layout(src, plan);
+  a.residual = layout_or_undefined(residual, plan);
+  a.dst = out.buffer;
+  a.extent = plan.extent();
+  a.gamma = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
+  a.beta = to_kernel_channels(beta, plan, at::kDouble, 0, src);
+  a.epsilon = epsilon;
+  a.act = {checked.kind, negative_slope};
+  a.batch = !mean.has_value();
+  if (!a.batch) {
+    a.mean = to_kernel_channels(mean, plan, at::kDouble, 0, src);
+    a.var = to_kernel_channels(variance, plan, at::kDouble, 0, src);
+    if (src.numel() > 0) {
+      act_kernel_table().forward(a);
+      finish_kernel_output(out, plan);
+    }
+    return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous)};
+  }
+  a.mean = at::empty({plan.channels}, src.options().dtype(at::kDouble));
+  a.var = at::empty({plan.channels}, src.options().dtype(at::kDouble));
+  if (plan.reduced_count() == 0) {
+    a.mean.fill_(std::numeric_limits<double>::quiet_NaN());
+    a.var.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (src.numel() > 0) {
+    act_kernel_table().forward(a);
+    finish_kernel_output(out, plan);
+  }
+  const auto stats_dtype = accumulate_type(src.scalar_type());
+  return {out.result, from_kernel_channels(a.mean, plan, stats_dtype, src),
+          from_kernel_channels(a.var, plan, stats_dtype, src)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cpu(
+    const at::Tensor& diff_dst, const OptionalTensor& src, const OptionalTensor& dst, const OptionalTensor& residual,
+    const at::Tensor& mean, const at::Tensor& variance, const OptionalTensor& gamma, const OptionalTensor& beta,
+    double epsilon, c10::string_view activation, double negative_slope, c10::string_view data_format, bool training,
+    bool from_output, std::array<bool, 4> output_mask) {
+  const ActPlan checked = check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
+                                                  activation, negative_slope, data_format, from_output);
+  const ChannelPlan& plan = checked.plan;
+  const at::Tensor& data = from_output ? *dst : *src;
+  const auto f64 = data.options().dtype(at::kDouble);
+  ActBackwardArgs a;
+  a.data = to_kernel_layout(data, plan);
+  if (!from_output) a.output = layout_or_undefined(dst, plan);
+  a.residual = layout_or_undefined(residual, plan);
+  a.diff_dst = to_kernel_layout(diff_dst, plan);
+  a.extent = plan.extent();
+  a.mean = to_kernel_channels(mean, plan, at::kDouble, 0, data);
+  a.var = to_kernel_channels(variance, plan, at::kDouble, 0, data);
+  a.gamma = to_kernel_channels(gamma, plan, at::kDouble, 1, data);
+  a.beta = to_kernel_channels(beta, plan, at::kDouble, 0, data);
+  a.epsilon = epsilon;
+  a.training = training;
+  a.from_output = from_output;
+  a.act = {checked.kind, negative_slope};
+  if (output_mask[1]) a.diff_gamma = at::zeros({plan.channels}, f64);
+  if (output_mask[2]) a.diff_beta = at::zeros({plan.channels}, f64);
+  // dz is written by the elementwise pass, which diff_src drives.
+  KernelOutput dx, dz;
+  if (output_mask[0] || output_mask[3]) {
+    dx = make_kernel_output(data, plan, output_allocator());
+    a.diff_src = dx.buffer;
+  }
+  if (output_mask[3]) {
+    dz = make_kernel_output(data, plan, output_allocator());
+    a.diff_residual = dz.buffer;
+  }
+  if (data.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2] || output_mask[3])) {
+    act_kernel_table().backward(a);
+    if (output_mask[0]) finish_kernel_output(dx, plan);
+    if (output_mask[3]) finish_kernel_output(dz, plan);
+  }
+  const auto stats_dtype = mean.scalar_type();
+  return {output_mask[0] ? dx.result : at::empty({0}, data.options()),
+          output_mask[1] ? from_kernel_channels(a.diff_gamma, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[2] ? from_kernel_channels(a.diff_beta, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[3] ? dz.result : at::empty({0}, data.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
+  m.impl("batch_norm_act_forward", &batch_norm_act_forward_cpu);
+  m.impl("batch_norm_act_backward", &batch_norm_act_backward_cpu);
+}
+
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,178 @@
+// The epilogues (epilogue.h) of the fused batch_norm_act operators: the
+// activation of the forward, and the backward's dz = dy * act'(z), with the
+// formulas of activation_math.h evaluated on vectors (VecOps) or on one
+// element (act::ScalarOps).
+//
+// Where the backward gets act'(z) from (activation_math.h):
+// * OutputGate: from the forward's output y (relu, leaky_relu, identity);
+//   kFromOutput (memory saving) also reads y in place of x, the kernel then
+//   centring u = act^-1(y) - r (operators.h, backward_impl's `unit`).
+// * InputGate: from z recomputed as scale * (x - mean) + shift + r (silu).
+#pragma once
+
+#include <cstdint>
+
+#include "activation_math.h"
+#include "batch_norm_math.h"
+#include "cpu/kernels/epilogue.h"
+#include "cpu/kernels/vec_io.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+// activation_math.h's Ops on at::vec vectors.
+struct VecOps {
+  template <typename V>
+  static V select_positive(const V& c, const V& a, const V& b) {
+    return V::blendv(b, a, c > V(0));
+  }
+  template <typename V>
+  static V exp(const V& v) {
+    return v.exp();
+  }
+};
+
+// Hooks every activation epilogue shares: none of its own per-channel data.
+template <typename T>
+struct GateBase {
+  using IO = Io<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  static constexpr int P = IO::kParts;
+  static constexpr int64_t K = IO::kChunk;
+
+  static void load(const T* p, int64_t off, int64_t lanes, Vec (&v)[P]) {
+    if (lanes == K) IO::load(p + off, v);
+    else IO::load_partial(p + off, lanes, v);
+  }
+  static void store(T* p, int64_t off, int64_t lanes, const Vec (&v)[P]) {
+    if (lanes == K) IO::store(p + off, v);
+    else IO::store_partial(p + off, lanes, v);
+  }
+};
+
+// The forward: out = act(out) before the store.
+template <typename T, typename Act>
+struct ForwardAct : PlainEpilogue<T> {
+  using typename PlainEpilogue<T>::acc_t;
+  using typename PlainEpilogue<T>::Vec;
+  acc_t slope;
+  void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
+  acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
+};
+
+// What both backward gates do with dz once they have it.
+template <typename T>
+struct DzOut : GateBase<T> {
+  using typename GateBase<T>::acc_t;
+  using typename GateBase<T>::Vec;
+  static constexpr int P = GateBase<T>::P;
+  T* dz = nullptr;  // diff_residual, or null
+  void post(Vec&) const {}
+  acc_t scalar_post(acc_t v) const { return v; }
+  void store_dz(int64_t off, int64_t lanes, const Vec (&v)[P]) const {
+    if (dz) this->store(dz, off, lanes, v);
+  }
+  void scalar_store_dz(int64_t i, acc_t d) const {
+    if (dz) dz[i] = static_cast<T>(d);
+  }
+};
+
+// act'(z) from the output y. Normal mode: the kernel's x is the input and
+// `y` the output. kFromOutput: the kernel's x is the output, turned into
+// u = act^-1(y) - r.
+template <typename T, typename Act, bool kFromOutput>
+struct OutputGate : DzOut<T> {
+  using typename DzOut<T>::acc_t;
+  using typename DzOut<T>::Vec;
+  static constexpr int P = DzOut<T>::P;
+  const T* y = nullptr;  // normal mode
+  const T* r = nullptr;  // kFromOutput: the residual, or null
+  acc_t slope = 0;
+
+  void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
+    if constexpr (!Act::kNeedsGate && !kFromOutput) return;
+    Vec g[P], rv[P];
+    if constexpr (kFromOutput) {
+      if (r) this->load(r, off, lanes, rv);
+      for (int q = 0; q < P; ++q) {
+        g[q] = x[q];
+        x[q] = Act::template inverse<VecOps>(x[q], Vec(slope));
+        if (r) x[q] = x[q] - rv[q];
+      }
+    } else {
+      this->load(y, off, lanes, g);
+    }
+    if constexpr (Act::kNeedsGate)
+      for (int q = 0; q < P; ++q) d[q] = d[q] * Act::template grad_from_output<VecOps>(g[q], Vec(slope));
+  }
+  // No per-channel data: the gate binds to itself.
+  const OutputGate& plane(int64_t) const { return *this; }
+  const OutputGate& columns(int64_t) const { return *this; }
+
+  void scalar(int64_t i, int64_t, acc_t& x, acc_t& d) const {
+    acc_t g = x;
+    if constexpr (kFromOutput) {
+      x = Act::template inverse<act::ScalarOps>(x, slope);
+      if (r) x -= static_cast<acc_t>(r[i]);
+    } else if constexpr (Act::kNeedsGate) {
+      g = static_cast<acc_t>(y[i]);
+    }
+    if constexpr (Act::kNeedsGate) d *= Act::template grad_from_output<act::ScalarOps>(g, slope);
+  }
+};
+
+// act'(z) from z = scale * (x - mean) + shift + r, recomputed with the
+// forward's per-channel coefficients (`forward`, of the accumulation type).
+template <typename T, typename Act>
+struct InputGate : DzOut<T> {
+  using typename DzOut<T>::acc_t;
+  using typename DzOut<T>::Vec;
+  static constexpr int P = DzOut<T>::P;
+  static constexpr int64_t W = Vec::size();
+  math::AffineArrays<acc_t> forward{};
+  const T* r = nullptr;
+  acc_t slope = 0;
+
+  struct Bound {
+    const InputGate& gate;
+    Vec mean[P], scale[P], shift[P];
+    void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
+      Vec rv[P];
+      if (gate.r) gate.load(gate.r, off, lanes, rv);
+      for (int q = 0; q < P; ++q) {
+        Vec z = at::vec::fmadd(x[q] - mean[q], scale[q], shift[q]);
+        if (gate.r) z = z + rv[q];
+        d[q] = d[q] * Act::template grad<VecOps>(z, Vec(gate.slope));
+      }
+    }
+  };
+  Bound plane(int64_t k) const {
+    Bound b{*this, {}, {}, {}};
+    for (int q = 0; q < P; ++q) {
+      b.mean[q] = Vec(forward.mean[k]);
+      b.scale[q] = Vec(forward.x_scale[k]);
+      b.shift[q] = Vec(forward.bias[k]);
+    }
+    return b;
+  }
+  Bound columns(int64_t c) const {
+    Bound b{*this, {}, {}, {}};
+    for (int q = 0; q < P; ++q) {
+      b.mean[q] = Vec::loadu(forward.mean + c + q * W);
+      b.scale[q] = Vec::loadu(forward.x_scale + c + q * W);
+      b.shift[q] = Vec::loadu(forward.bias + c + q * W);
+    }
+    return b;
+  }
+  void scalar(int64_t i, int64_t k, acc_t& x, acc_t& d) const {
+    acc_t z = (x - forward.mean[k]) * forward.x_scale[k] + forward.bias[k];
+    if (r) z += static_cast<acc_t>(r[i]);
+    d *= Act::template grad<act::ScalarOps>(z, slope);
+  }
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,121 @@
+// The fused batch_norm_act operators' kernels: the plain batch-norm
+// algorithms of operators.h with an activation epilogue (act_gates.h), and
+// this instruction set's ActKernelTable. Compiled once per instruction set,
+// like batch_norm_kernels.cpp; dtype and activation are dispatched here, once.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "activation_math.h"
+#include "batch_norm_math.h"
+#include "cpu/kernels/act_gates.h"
+#include "cpu/kernels/act_kernel_table.h"
+#include "cpu/kernels/operators.h"
+
+#define TBG_ACT_CONCAT_IMPL(a, b) a##b
+#define TBG_ACT_CONCAT(a, b) TBG_ACT_CONCAT_IMPL(a, b)
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+template <typename T>
+T* out_or_null(at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
+}
+
+template <typename T, typename Act>
+void forward_impl(ActForwardArgs& a) {
+  using acc_t = at::opmath_type<T>;
+  ForwardAct<T, Act> ep;
+  ep.slope = static_cast<acc_t>(a.act.slope);
+  const T* x = a.src.const_data_ptr<T>();
+  const T* r = data_or_null<T>(a.residual);
+  T* y = a.dst.mutable_data_ptr<T>();
+  const double *gamma = data_or_null<double>(a.gamma), *beta = data_or_null<double>(a.beta);
+  if (a.batch) {
+    forward_batch_impl<T>(x, r, y, a.extent, gamma, beta, a.epsilon, out_or_null<double>(a.mean),
+                          out_or_null<double>(a.var), ep);
+  } else {
+    forward_frozen_impl<T>(x, r, y, a.extent, data_or_null<double>(a.mean), data_or_null<double>(a.var), gamma,
+                           beta, a.epsilon, ep);
+  }
+}
+
+template <typename T, typename Act>
+void backward_impl_act(ActBackwardArgs& a) {
+  using acc_t = at::opmath_type<T>;
+  const Extent& e = a.extent;
+  const T* x = a.data.const_data_ptr<T>();
+  const T* dy = a.diff_dst.const_data_ptr<T>();
+  const T* r = data_or_null<T>(a.residual);
+  T* dx = out_or_null<T>(a.diff_src);
+  T* dz = out_or_null<T>(a.diff_residual);
+  const double *mean = data_or_null<double>(a.mean), *var = data_or_null<double>(a.var);
+  const double *gamma = data_or_null<double>(a.gamma), *beta = data_or_null<double>(a.beta);
+  double *dgamma = out_or_null<double>(a.diff_gamma), *dbeta = out_or_null<double>(a.diff_beta);
+  const acc_t slope = static_cast<acc_t>(a.act.slope);
+  if constexpr (Act::kGradFromOutput) {
+    constexpr bool kInvertible = Act::kKind == act::Kind::identity || Act::kKind == act::Kind::leaky_relu;
+    if constexpr (kInvertible) {
+      if (a.from_output) {
+        // The kernel centres u = act^-1(y) - r = gamma * rstd * (x - mean) + beta.
+        std::vector<double> unit(e.channels);
+        for (int64_t k = 0; k < e.channels; ++k) unit[k] = gamma[k] * math::rstd_of(var[k], a.epsilon);
+        OutputGate<T, Act, true> gate;
+        gate.r = r;
+        gate.slope = slope;
+        gate.dz = dz;
+        backward_impl<T>(x, dy, dx, e, beta, unit.data(), var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
+        return;
+      }
+    }
+    OutputGate<T, Act, false> gate;
+    gate.y = data_or_null<T>(a.output);
+    gate.slope = slope;
+    gate.dz = dz;
+    backward_impl<T>(x, dy, dx, e, mean, nullptr, var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
+  } else {
+    AffineTable<acc_t> forward(e.channels);
+    for (int64_t k = 0; k < e.channels; ++k)
+      forward.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], a.epsilon, false));
+    InputGate<T, Act> gate;
+    gate.forward = forward.arrays();
+    gate.r = r;
+    gate.slope = slope;
+    gate.dz = dz;
+    backward_impl<T>(x, dy, dx, e, mean, nullptr, var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
+  }
+}
+
+#define TBG_ACT_DISPATCH(tensor, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
+
+void forward(ActForwardArgs& a) {
+  TBG_ACT_DISPATCH(a.src, "batch_norm_act_forward", [&] {
+    act::dispatch_activation(a.act.kind, [&](auto activation) { forward_impl<scalar_t, decltype(activation)>(a); });
+  });
+}
+
+void backward(ActBackwardArgs& a) {
+  TBG_ACT_DISPATCH(a.data, "batch_norm_act_backward", [&] {
+    act::dispatch_activation(a.act.kind,
+                             [&](auto activation) { backward_impl_act<scalar_t, decltype(activation)>(a); });
+  });
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+
+const ActKernelTable& TBG_ACT_CONCAT(act_kernel_table_, CPU_CAPABILITY)() {
+  static const ActKernelTable table{&CPU_CAPABILITY::forward, &CPU_CAPABILITY::backward};
+  return table;
+}
+
+}  // namespace torch_bn_grad::cpu

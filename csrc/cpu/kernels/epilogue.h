@@ -1,0 +1,46 @@
+// What the block kernels do around their per-element arithmetic besides plain
+// batch norm: the hooks of the fused batch_norm_act operators
+// (act_gates.h). `PlainEpilogue`, every hook a no-op, is plain batch norm;
+// the compiler removes its calls.
+//
+// The hooks, as the plane and row kernels call them:
+// * `plane(k)` / `columns(c)`: the hooks bound to channel k (planes) or to
+//   the chunk of channels starting at c (rows), holding per-channel vectors.
+// * `bound.apply(off, lanes, x, dy)` (backward, after the loads at offset
+//   off): turns the loaded x into the value the kernel centres (the memory-
+//   saving backward reads the output there) and dy into dz = dy * act'(z).
+// * `store_dz(off, lanes, dz)`: writes dz (diff_residual) when asked for.
+// * `post(v)`: the forward's activation, applied before the store.
+// * `scalar(i, k, x, dy)`, `scalar_post(v)`, `scalar_store_dz(i, dz)`: the
+//   same for one element of channel k (the row kernels' tails).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/kernels/vec_io.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+template <typename T>
+struct PlainEpilogue {
+  using acc_t = typename Io<T>::acc_t;
+  using Vec = typename Io<T>::Vec;
+  static constexpr int P = Io<T>::kParts;
+
+  struct Bound {
+    void apply(int64_t, int64_t, Vec (&)[P], Vec (&)[P]) const {}
+  };
+  Bound plane(int64_t) const { return {}; }
+  Bound columns(int64_t) const { return {}; }
+  void store_dz(int64_t, int64_t, const Vec (&)[P]) const {}
+  void post(Vec&) const {}
+  void scalar(int64_t, int64_t, acc_t&, acc_t&) const {}
+  acc_t scalar_post(acc_t v) const { return v; }
+  void scalar_store_dz(int64_t, acc_t) const {}
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

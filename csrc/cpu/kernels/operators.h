@@ -1,0 +1,154 @@
+// The operators' algorithms over the blocks of partition.h, shared by plain
+// batch norm (batch_norm_kernels.cpp) and the fused batch_norm_act operators
+// (batch_norm_act_kernels.cpp), which pass an epilogue (epilogue.h,
+// act_gates.h) down to the block kernels. Numerics and scheduling are
+// described in batch_norm_kernels.cpp.
+#pragma once
+
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "batch_norm_math.h"
+#include "cpu/kernels/epilogue.h"
+#include "cpu/kernels/partition.h"
+#include "cpu/kernels/plane_kernels.h"
+#include "cpu/kernels/row_kernels.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+using Moments = math::Moments<double>;
+using GradSums = math::GradSums<double>;
+
+// ---------------------------------------------------------------- one block
+// The plane or the row kernel for a block of partition `b`.
+template <typename T>
+void stats_block(const Blocks& b, const T* x, const Extent& e, const Block& blk, Partials<Moments>& out) {
+  if (b.planes) PlaneKernels<T>::stats(x, e, blk, out);
+  else RowKernels<T>::stats(x, e, blk, out);
+}
+
+template <typename T, typename E = PlainEpilogue<T>>
+void grad_sums_block(const Blocks& b, const T* x, const T* dy, const Extent& e, const Block& blk,
+                     const at::opmath_type<T>* mean, Partials<GradSums>& out, const E& ep = E{}) {
+  if (b.planes) PlaneKernels<T>::grad_sums(x, dy, e, blk, mean, out, ep);
+  else RowKernels<T>::grad_sums(x, dy, e, blk, mean, out, ep);
+}
+
+template <typename T, typename E = PlainEpilogue<T>>
+void affine_block(const Blocks& b, const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                  const math::AffineArrays<at::opmath_type<T>>& c, const E& ep = E{}) {
+  if (b.planes) PlaneKernels<T>::affine(x, y, out, e, blk, c, ep);
+  else RowKernels<T>::affine(x, y, out, e, blk, c, ep);
+}
+
+// The elementwise pass's per-channel coefficients (math::ChannelAffine) as
+// arrays, of the accumulation type.
+template <typename A>
+struct AffineTable {
+  std::vector<A> mean, dy_scale, x_scale, bias;
+  explicit AffineTable(int64_t channels) : mean(channels), dy_scale(channels), x_scale(channels), bias(channels) {}
+  void set(int64_t k, const math::ChannelAffine<A>& c) {
+    mean[k] = c.mean;
+    dy_scale[k] = c.dy_scale;
+    x_scale[k] = c.x_scale;
+    bias[k] = c.bias;
+  }
+  math::AffineArrays<A> arrays() const { return {mean.data(), dy_scale.data(), x_scale.data(), bias.data()}; }
+};
+
+// The forward's elementwise coefficients; with a residual r (added with
+// weight 1 through the pass's dy operand) dst = scale * (x - mean) + shift + r.
+template <typename A>
+math::ChannelAffine<A> forward_affine(double mean, double var, double gamma, double beta, double eps,
+                                      bool residual) {
+  const math::ForwardCoefficients f = math::forward_coefficients(var, gamma, beta, eps);
+  return math::channel_affine<A>(mean, math::BackwardCoefficients{residual ? 1.0 : 0.0, f.scale, f.shift});
+}
+
+// ---------------------------------------------------------------- operators
+// `r` (may be null) is a residual added before the epilogue's activation.
+template <typename T, typename E = PlainEpilogue<T>>
+void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const double* gamma, const double* beta,
+                        double eps, double* mean, double* var, const E& ep = E{}) {
+  using acc_t = at::opmath_type<T>;
+  const Blocks b(e);
+  Partials<Moments> parts(e.channels, b.per_channel());
+  AffineTable<acc_t> co(e.channels);
+  const math::AffineArrays<acc_t> coefficients = co.arrays();
+  auto reduce = [&](const Block& blk) { stats_block(b, x, e, blk, parts); };
+  auto finish = [&](int64_t k) {
+    const Moments m = parts.merged(k, {0, 0, 0});
+    mean[k] = m.mean;
+    var[k] = math::variance_of(m);
+    co.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], eps, r != nullptr));
+  };
+  auto normalize = [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); };
+  if (per_channel_strategy(b, e)) {
+    for_each_channel(b, e, reduce, finish, normalize);
+    return;
+  }
+  for_each_block(b, e, false, reduce);
+  for (int64_t k = 0; k < e.channels; ++k) finish(k);
+  for_each_block(b, e, true, normalize);
+}
+
+template <typename T, typename E = PlainEpilogue<T>>
+void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const double* mean, const double* var,
+                         const double* gamma, const double* beta, double eps, const E& ep = E{}) {
+  using acc_t = at::opmath_type<T>;
+  AffineTable<acc_t> co(e.channels);
+  for (int64_t k = 0; k < e.channels; ++k)
+    co.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], eps, r != nullptr));
+  const Blocks b(e);
+  const math::AffineArrays<acc_t> coefficients = co.arrays();
+  for_each_block(b, e, false, [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); });
+}
+
+// The kernel reads `x` about `centre`; `unit` (null: 1) relates it to the
+// statistics' frame: x_true - mean = (x - centre) / unit. Plain batch norm
+// passes centre = mean. The memory-saving backward reads u = act^-1(y) - r
+// = gamma * rstd * (x_true - mean) + beta, so centre = beta,
+// unit = gamma * rstd: its sums and x coefficient are rescaled in float64.
+template <typename T, typename E = PlainEpilogue<T>>
+void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double* centre, const double* unit,
+                   const double* var, const double* gamma, double eps, bool training, double* diff_gamma,
+                   double* diff_beta, const E& ep = E{}) {
+  using acc_t = at::opmath_type<T>;
+  const Blocks b(e);
+  const bool need_sums = training || diff_gamma != nullptr || diff_beta != nullptr;
+  const double count = static_cast<double>(e.reduced());
+  Partials<GradSums> parts(e.channels, b.per_channel());
+  AffineTable<acc_t> co(e.channels);
+  // The sums are centred on the rounded centre the elementwise pass subtracts.
+  for (int64_t k = 0; k < e.channels; ++k) co.mean[k] = static_cast<acc_t>(centre[k]);
+  const math::AffineArrays<acc_t> coefficients = co.arrays();
+  auto reduce = [&](const Block& blk) { grad_sums_block(b, x, dy, e, blk, coefficients.mean, parts, ep); };
+  auto finish = [&](int64_t k) {
+    GradSums sums{0, 0};
+    if (need_sums) sums = parts.merged(k, {0, 0});
+    sums = math::recentre(sums, centre[k], static_cast<double>(co.mean[k]));
+    if (unit) sums.sum_dy_xc /= unit[k];
+    math::BackwardCoefficients c = math::backward_coefficients(var[k], gamma[k], eps, sums, count, training);
+    if (unit) c.x_scale /= unit[k];
+    co.set(k, math::channel_affine<acc_t>(centre[k], c));
+    const math::ParameterGrads grads = math::parameter_grads(var[k], eps, sums);
+    if (diff_gamma) diff_gamma[k] = grads.diff_gamma;
+    if (diff_beta) diff_beta[k] = grads.diff_beta;
+  };
+  auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
+  if (need_sums && dx && per_channel_strategy(b, e)) {
+    for_each_channel(b, e, reduce, finish, apply);
+    return;
+  }
+  if (need_sums) for_each_block(b, e, false, reduce);
+  for (int64_t k = 0; k < e.channels; ++k) finish(k);
+  if (dx) for_each_block(b, e, need_sums, apply);
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu
