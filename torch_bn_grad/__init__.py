@@ -1,7 +1,8 @@
 """torch_bn_grad: fused, exact and fast batch-normalization operators for PyTorch.
 
 Operators (registered under ``torch.ops.torch_bn_grad``):
-:func:`batch_norm_forward`, :func:`batch_norm_backward`.
+:func:`batch_norm_forward`, :func:`batch_norm_backward`, and the fused
+batch norm + residual + activation :func:`batch_norm_act_forward`, :func:`batch_norm_act_backward`.
 Autograd: :class:`BatchNormFunction`. Functional: :mod:`torch_bn_grad.functional`.
 Modules: :mod:`torch_bn_grad.nn` (``SyncBatchNorm`` included) and :func:`convert_batchnorm`.
 Split-stage operators for statistics across processes: :mod:`torch_bn_grad.stages`.
@@ -11,12 +12,12 @@ The CPU output cache: :mod:`torch_bn_grad.memory`.
 import torch  # noqa: F401  (loads libc10/libtorch, which the extension links against)
 
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
-from torch_bn_grad import _autograd, _fake, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
+from torch_bn_grad import _act_autograd, _autograd, _fake, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
 from torch_bn_grad import config, functional, memory, nn, stages
 from torch_bn_grad import _inductor
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
-from torch_bn_grad.ops import batch_norm_backward, batch_norm_forward
+from torch_bn_grad.ops import batch_norm_act_backward, batch_norm_act_forward, batch_norm_backward, batch_norm_forward
 
 # torch's tools (FX, quantization) treat this library's BatchNorms as torch's.
 from torch_bn_grad import _onnx, _quantization  # noqa: E402
@@ -27,6 +28,8 @@ _onnx.register()  # the operator's symbolic for the TorchScript-based ONNX expor
 __all__ = [
     "BatchNormFunction",
     "config",
+    "batch_norm_act_backward",
+    "batch_norm_act_forward",
     "batch_norm_backward",
     "batch_norm_forward",
     "convert_batchnorm",

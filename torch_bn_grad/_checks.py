@@ -22,13 +22,38 @@ def epsilon_value(op: str, epsilon: object) -> float:
         raise TypeError(f"{op}: epsilon must be a real number, got {epsilon!r}") from None
 
 
-def output_mask_value(op: str, output_mask: Sequence[bool]) -> list[bool]:
+def output_mask_value(
+    op: str, output_mask: Sequence[bool], names: Sequence[str] = ("diff_src", "diff_gamma", "diff_beta")
+) -> list[bool]:
     mask = list(output_mask)
-    if len(mask) != 3:
+    if len(mask) != len(names):
         raise ValueError(
-            f"{op}: output_mask must have 3 entries (diff_src, diff_gamma, diff_beta), got {len(mask)}"
+            f"{op}: output_mask must have {len(names)} entries ({', '.join(names)}), got {len(mask)}"
         )
     return [bool(m) for m in mask]
+
+
+ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
+
+
+def check_activation(
+    op: str, activation: object, negative_slope: object, inverted: bool = False, flag: str = "memory_saving"
+) -> float:
+    """The fused operators' activation arguments (ValueError naming the argument);
+    returns negative_slope as a float. ``inverted``: the activation must be invertible."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    try:
+        slope = float(negative_slope)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: negative_slope must be a real number, got {negative_slope!r}") from None
+    if not (slope >= 0 and slope != float("inf")):
+        raise ValueError(f"{op}: negative_slope must be finite and >= 0 (the backward reads the activation's "
+                         f"derivative from the output's sign), got {slope}")
+    if inverted and not (activation == "identity" or (activation == "leaky_relu" and slope > 0)):
+        raise ValueError(f"{op}: {flag}=True needs an invertible activation ('identity', or 'leaky_relu' with "
+                         f"negative_slope > 0), got activation={activation!r}, negative_slope={slope}")
+    return slope
 
 
 def check_same_device(op: str, src: Tensor, **tensors: Optional[Tensor]) -> None:

@@ -81,3 +81,36 @@ def _batch_norm_grad_input_fake(src, diff_dst, mean, variance, gamma, count, gra
     )
     check_same_device("batch_norm_grad_input", src, gamma=gamma)
     return torch.empty_like(src)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_act_forward")
+def _batch_norm_act_forward_fake(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
+                                 data_format, memory_saving):
+    check_same_device("batch_norm_act_forward", src, residual=residual)
+    if residual is not None:
+        torch._check_value(
+            residual.shape == src.shape,
+            lambda: f"batch_norm_act_forward: residual must have src's shape {list(src.shape)}, "
+            f"got {list(residual.shape)}",
+        )
+    return _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_format)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_act_backward")
+def _batch_norm_act_backward_fake(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation,
+                                  negative_slope, data_format, training, from_output, output_mask):
+    op = "batch_norm_act_backward"
+    data = dst if from_output else src
+    torch._check_value(data is not None, lambda: f"{op}: {'dst' if from_output else 'src'} must be given, got None")
+    check_same_device(op, data, diff_dst=diff_dst, residual=residual, mean=mean, variance=variance, gamma=gamma,
+                      beta=beta)
+    torch._check_value(
+        diff_dst.shape == data.shape,
+        lambda: f"{op}: diff_dst must have src's shape {list(data.shape)}, got {list(diff_dst.shape)}",
+    )
+    return (
+        torch.empty_like(data) if output_mask[0] else data.new_empty(0),
+        mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0),
+        mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0),
+        torch.empty_like(data) if output_mask[3] else data.new_empty(0),
+    )

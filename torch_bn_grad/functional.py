@@ -7,9 +7,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from torch_bn_grad._checks import check_activation
 from torch_bn_grad._running_stats import update_running_stats
 
-__all__ = ["batch_norm"]
+__all__ = ["batch_norm", "batch_norm_act"]
 
 
 def batch_norm(
@@ -96,3 +97,70 @@ def _verify_batch_size(input: Tensor) -> None:
         size_prods *= size
     if size_prods == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
+
+
+def batch_norm_act(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    residual: Optional[Tensor] = None,
+    activation: str = "relu",
+    negative_slope: float = 0.01,
+    memory_saving: bool = False,
+) -> Tensor:
+    """Fused ``act(batch_norm(input, ...) + residual)``, one pass over the data each way.
+
+    The batch-norm arguments and the running-statistics update are exactly
+    :func:`batch_norm`'s. ``activation``: ``"identity"``, ``"relu"``,
+    ``"leaky_relu"`` (``negative_slope >= 0``) or ``"silu"``; ``residual``
+    (optional) has ``input``'s shape and dtype. ``memory_saving=True``
+    (inplace_abn's idea) keeps the output instead of ``input`` for the backward
+    and recovers ``input`` from it: it needs an invertible activation
+    (``"identity"``, or ``"leaky_relu"`` with ``negative_slope > 0``; else
+    ``ValueError``), ``weight`` must have no zeros (not checked), and double
+    backward is then not available.
+    """
+    return _batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                           residual, activation, negative_slope, memory_saving)
+
+
+def _batch_norm_act(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+    residual: Optional[Tensor] = None,
+    activation: str = "relu",
+    negative_slope: float = 0.01,
+    memory_saving: bool = False,
+) -> Tensor:
+    """``batch_norm_act`` whose ``momentum`` may also be a tensor (the modules' cumulative average)."""
+    slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
+    op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
+    if input.dim() == 1:  # only an empty input is valid: an empty output
+        return _rank1(input, running_mean, running_var, weight, bias, training)
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError("batch_norm_act: running_mean and running_var must be given when training=False")
+        dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
+                       "NCX", bool(memory_saving))
+        return dst
+    _verify_batch_size(input)
+    if not eps > 0:
+        raise ValueError(f"batch_norm_act: eps must be positive in training, got {eps}")
+    dst, mean, var = op(input, weight, bias, None, None, residual, float(eps), activation, slope, "NCX",
+                        bool(memory_saving))
+    count = input.numel() // max(input.shape[1], 1)
+    if count > 0 and (running_mean is not None or running_var is not None):
+        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    return dst

@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from torch_bn_grad._checks import check_data_format, epsilon_value, output_mask_value
+from torch_bn_grad._checks import check_activation, check_data_format, epsilon_value, output_mask_value
 
-__all__ = ["batch_norm_forward", "batch_norm_backward"]
+__all__ = ["batch_norm_forward", "batch_norm_backward", "batch_norm_act_forward", "batch_norm_act_backward"]
 
 
 def batch_norm_forward(
@@ -70,5 +70,78 @@ def batch_norm_backward(
     mask = output_mask_value(op, output_mask)
     outputs = torch.ops.torch_bn_grad.batch_norm_backward.default(
         src, diff_dst, mean, variance, gamma, epsilon_value(op, epsilon), data_format, bool(training), mask
+    )
+    return tuple(out if wanted else None for out, wanted in zip(outputs, mask))  # type: ignore[return-value]
+
+
+def batch_norm_act_forward(
+    src: Tensor,
+    gamma: Optional[Tensor] = None,
+    beta: Optional[Tensor] = None,
+    mean: Optional[Tensor] = None,
+    variance: Optional[Tensor] = None,
+    *,
+    residual: Optional[Tensor] = None,
+    epsilon: float = 1e-5,
+    activation: str = "relu",
+    negative_slope: float = 0.01,
+    data_format: str = "NCX",
+    memory_saving: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused ``dst = act(batch_norm_forward(src, ...) + residual)`` in one pass over the data.
+
+    ``activation`` is ``"identity"``, ``"relu"``, ``"leaky_relu"`` (with
+    ``negative_slope >= 0``) or ``"silu"``; ``residual`` (optional) has
+    ``src``'s shape and dtype. Statistics, layouts and dtypes as
+    :func:`batch_norm_forward`, whose ``(dst, mean, variance)`` it returns.
+    ``memory_saving=True`` changes no result: autograd then keeps the output
+    (and residual) instead of ``src`` and recovers ``src`` from it in the
+    backward; it needs an invertible activation (``"identity"``, or
+    ``"leaky_relu"`` with ``negative_slope > 0``) and a ``gamma`` without zeros.
+    """
+    op = "batch_norm_act_forward"
+    check_data_format(op, data_format)
+    slope = check_activation(op, activation, negative_slope, memory_saving)
+    return torch.ops.torch_bn_grad.batch_norm_act_forward.default(
+        src, gamma, beta, mean, variance, residual, epsilon_value(op, epsilon), activation, slope, data_format,
+        bool(memory_saving),
+    )
+
+
+def batch_norm_act_backward(
+    diff_dst: Tensor,
+    mean: Tensor,
+    variance: Tensor,
+    gamma: Optional[Tensor] = None,
+    beta: Optional[Tensor] = None,
+    *,
+    src: Optional[Tensor] = None,
+    dst: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    epsilon: float = 1e-5,
+    activation: str = "relu",
+    negative_slope: float = 0.01,
+    data_format: str = "NCX",
+    training: bool = True,
+    from_output: bool = False,
+    output_mask: Sequence[bool] = (True, True, True, True),
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients of :func:`batch_norm_act_forward`: ``(diff_src, diff_gamma, diff_beta, diff_residual)``.
+
+    Two passes over the data: the per-channel sums of ``dz`` and
+    ``dz * (src - mean)``, ``dz = diff_dst * act'(z)``, then ``diff_src`` (and
+    ``diff_residual = dz``). Pass ``src`` and the forward's ``dst`` (relu and
+    leaky_relu read ``act'`` from it) and ``residual`` (silu recomputes ``z``
+    with it). ``from_output=True`` reads ``dst`` instead of ``src`` (needs
+    ``beta``, the forward's ``residual`` and an invertible activation).
+    ``training`` and ``output_mask`` as in :func:`batch_norm_backward`.
+    """
+    op = "batch_norm_act_backward"
+    check_data_format(op, data_format)
+    slope = check_activation(op, activation, negative_slope, from_output, "from_output")
+    mask = output_mask_value(op, output_mask, ("diff_src", "diff_gamma", "diff_beta", "diff_residual"))
+    outputs = torch.ops.torch_bn_grad.batch_norm_act_backward.default(
+        diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon_value(op, epsilon), activation, slope,
+        data_format, bool(training), bool(from_output), mask,
     )
     return tuple(out if wanted else None for out, wanted in zip(outputs, mask))  # type: ignore[return-value]
