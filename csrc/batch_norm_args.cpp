@@ -330,8 +330,6 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   TORCH_CHECK_VALUE(from_output || src.has_value(), op, ": src must be given unless from_output=True, got None");
   TORCH_CHECK_VALUE(!needs_dst || dst.has_value(), op, ": dst must be given for activation='",
                     std::string(activation), "'", from_output ? " with from_output=True" : "", ", got None");
-  TORCH_CHECK_VALUE(!from_output || beta.has_value(), op,
-                    ": beta must be given with from_output=True (the output is inverted with it), got None");
   const at::Tensor& data = from_output ? *dst : *src;
   check_src(op, data, epsilon, data_format);
   check_same_like_src(op, "diff_dst", diff_dst, data);

@@ -88,7 +88,7 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // residual) and the statistics for silu; identity needs neither.
   // from_output=True (memory saving, inplace_abn's idea): src is not read (may
   // be None); x is recovered from dst as (act^-1(dst) - residual - beta) / gamma
-  // in the normalized frame, so beta is required, the activation must be
+  // in the normalized frame (beta absent: 0, as in the forward); the activation must be
   // invertible (identity, leaky_relu with negative_slope > 0), and a gamma with
   // zeros gives inf/nan (the caller's problem, as in inplace_abn). The residual
   // passed must be the forward's (silu and from_output read it).

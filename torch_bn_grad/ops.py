@@ -133,7 +133,7 @@ def batch_norm_act_backward(
     ``diff_residual = dz``). Pass ``src`` and the forward's ``dst`` (relu and
     leaky_relu read ``act'`` from it) and ``residual`` (silu recomputes ``z``
     with it). ``from_output=True`` reads ``dst`` instead of ``src`` (needs
-    ``beta``, the forward's ``residual`` and an invertible activation).
+    the forward's ``beta`` and ``residual`` and an invertible activation).
     ``training`` and ``output_mask`` as in :func:`batch_norm_backward`.
     """
     op = "batch_norm_act_backward"
