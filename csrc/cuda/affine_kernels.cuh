@@ -1,7 +1,8 @@
 // The elementwise pass: out = dy_scale * y + x_scale * (x - mean) + bias per
 // channel (math::ChannelAffine), over the planes or columns partition. The
 // forward passes no y (x_scale = scale, bias = shift); the backward's
-// diff_src has y = dy.
+// diff_src has y = dy. The epilogue (epilogue.cuh) turns dy into dz, or
+// activates the forward's output.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "batch_norm_math.h"
+#include "cuda/epilogue.cuh"
 #include "cuda/partition.cuh"
 #include "cuda/vector_io.cuh"
 
@@ -21,10 +23,10 @@ __device__ __forceinline__ A affine(A x, A y, A mean, A dy_scale, A x_scale, A b
   return t;
 }
 
-template <typename T, int N, bool kHasY>
+template <typename T, int N, bool kHasY, typename E>
 __global__ void __launch_bounds__(kThreads)
     plane_affine_kernel(const T* __restrict__ x, const T* __restrict__ y, T* __restrict__ out,
-                        PlaneGrid g, math::AffineArrays<at::opmath_type<T>> c) {
+                        PlaneGrid g, math::AffineArrays<at::opmath_type<T>> c, E ep) {
   using A = at::opmath_type<T>;
   const int64_t k = blockIdx.x;
   const A mean = c.mean[k], x_scale = c.x_scale[k], bias = c.bias[k];
@@ -34,15 +36,21 @@ __global__ void __launch_bounds__(kThreads)
     load<N>(x + v * N, xv);
     if constexpr (kHasY) load<N>(y + v * N, yv);
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = affine<A, kHasY>(xv[j], yv[j], mean, dy_scale, x_scale, bias);
+    for (int j = 0; j < N; ++j) {
+      if constexpr (kHasY) {
+        ep.apply(v * N + j, k, xv[j], yv[j]);
+        ep.store_dz(v * N + j, yv[j]);
+      }
+      res[j] = ep.post(v * N + j, affine<A, kHasY>(xv[j], yv[j], mean, dy_scale, x_scale, bias));
+    }
     store<N>(out + v * N, res);
   });
 }
 
-template <typename T, int N, bool kHasY>
+template <typename T, int N, bool kHasY, typename E>
 __global__ void __launch_bounds__(kThreads)
     column_affine_kernel(const T* __restrict__ x, const T* __restrict__ y, T* __restrict__ out,
-                         ColumnGrid g, math::AffineArrays<at::opmath_type<T>> c) {
+                         ColumnGrid g, math::AffineArrays<at::opmath_type<T>> c, E ep) {
   using A = at::opmath_type<T>;
   const int64_t column = owned_column();
   if (column >= g.columns) return;
@@ -60,7 +68,13 @@ __global__ void __launch_bounds__(kThreads)
     load<N>(x + v * N, xv);
     if constexpr (kHasY) load<N>(y + v * N, yv);
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = affine<A, kHasY>(xv[j], yv[j], mean[j], dy_scale[j], x_scale[j], bias[j]);
+    for (int j = 0; j < N; ++j) {
+      if constexpr (kHasY) {
+        ep.apply(v * N + j, (column * N + j) / g.inner, xv[j], yv[j]);
+        ep.store_dz(v * N + j, yv[j]);
+      }
+      res[j] = ep.post(v * N + j, affine<A, kHasY>(xv[j], yv[j], mean[j], dy_scale[j], x_scale[j], bias[j]));
+    }
     store<N>(out + v * N, res);
   });
 }

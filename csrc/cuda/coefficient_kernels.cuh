@@ -87,6 +87,9 @@ struct BackwardCoefficientArgs {
   const A* mean;
   const double* variance;
   const double* gamma;  // null: 1
+  // null: 1. Else x_true - mean = (x - mean) / unit: the memory-saving
+  // backward reads u = gamma * rstd * (x_true - mean) + beta, `mean` being beta.
+  const double* unit;
   double epsilon;
   int64_t channels;
   int64_t reduced;  // elements per channel
@@ -101,11 +104,14 @@ struct BackwardCoefficientArgs {
 // Channel k's coefficients and parameter gradients from its two sums.
 template <typename A>
 __device__ __forceinline__ void store_backward_coefficients(const BackwardCoefficientArgs<A>& p, int64_t k,
-                                                            const GradSums<double>& sums) {
+                                                            const GradSums<double>& taken) {
+  GradSums<double> sums = taken;
+  if (p.unit != nullptr) sums.sum_dy_xc /= p.unit[k];
   if (p.affine.x_scale != nullptr) {
     const double gamma = p.gamma != nullptr ? p.gamma[k] : 1.0;
-    const math::BackwardCoefficients c = math::backward_coefficients(
+    math::BackwardCoefficients c = math::backward_coefficients(
         p.variance[k], gamma, p.epsilon, sums, static_cast<double>(p.reduced), p.training);
+    if (p.unit != nullptr) c.x_scale /= p.unit[k];
     p.affine.store(k, math::channel_affine<A>(static_cast<double>(p.mean[k]), c));
   }
   const math::ParameterGrads grads = math::parameter_grads(p.variance[k], p.epsilon, sums);

@@ -103,9 +103,9 @@ Partials<Moments<Acc<T>>> moment_partials(const at::Tensor& x, const Extent& e) 
   return p;
 }
 
-template <typename T>
+template <typename T, typename E = PlainEpilogue>
 Partials<GradSums<Acc<T>>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy,
-                                             const at::Tensor& mean, const Extent& e) {
+                                             const at::Tensor& mean, const Extent& e, const E& ep = E{}) {
   const T* xp = x.const_data_ptr<T>();
   const T* dp = dy.const_data_ptr<T>();
   const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
@@ -114,28 +114,31 @@ Partials<GradSums<Acc<T>>> grad_sum_partials(const at::Tensor& x, const at::Tens
       e, {xp, dp},
       [&](const PlaneLaunch& l, auto n) {
         p = {e.channels, l.partials_per_channel(), x};
-        plane_grad_sums_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data);
+        plane_grad_sums_kernel<T, decltype(n)::value, E><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data, ep);
       },
       [&](const ColumnLaunch& l, auto n) {
         p = {e.channels, l.partials_per_channel(), x};
-        column_grad_sums_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data);
+        column_grad_sums_kernel<T, decltype(n)::value, E>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data, ep);
       });
   return p;
 }
 
 // out = dy_scale * y + x_scale * (x - mean) + bias; y is null in the forward.
-template <typename T, bool kHasY>
+// The epilogue (epilogue.cuh) is plain batch norm's unless given.
+template <typename T, bool kHasY, typename E = PlainEpilogue>
 void apply_affine(const at::Tensor& x, const T* y, const at::Tensor& out, const Extent& e,
-                  const math::AffineArrays<Acc<T>>& c) {
+                  const math::AffineArrays<Acc<T>>& c, const E& ep = E{}) {
   const T* xp = x.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   launch_partitioned<T>(
       e, {xp, y, op},
       [&](const PlaneLaunch& l, auto n) {
-        plane_affine_kernel<T, decltype(n)::value, kHasY><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c);
+        plane_affine_kernel<T, decltype(n)::value, kHasY, E><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c, ep);
       },
       [&](const ColumnLaunch& l, auto n) {
-        column_affine_kernel<T, decltype(n)::value, kHasY><<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c);
+        column_affine_kernel<T, decltype(n)::value, kHasY, E>
+            <<<l.grid, l.block, 0, stream()>>>(xp, y, op, l.g, c, ep);
       });
 }
 

@@ -2,6 +2,7 @@
 // the data (partition.cuh) to partials, each thread accumulating its values
 // (thread_states.cuh) before the block merges them (block_reduce.cuh). The
 // second stage (coefficient_kernels.cuh) merges each channel's partials.
+// The gradient sums take an epilogue (epilogue.cuh): the fused activation's dz.
 //
 // Partials are stored so that each channel's are contiguous: planes at
 // k * splits + s, columns at (k * inner + i) * row_splits + r.
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "cuda/block_reduce.cuh"
+#include "cuda/epilogue.cuh"
 #include "cuda/partition.cuh"
 #include "cuda/thread_states.cuh"
 #include "cuda/vector_io.cuh"
@@ -58,11 +60,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int N>
+template <typename T, int N, typename E>
 __global__ void __launch_bounds__(kThreads)
     plane_grad_sums_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                            const at::opmath_type<T>* __restrict__ mean, PlaneGrid g,
-                           GradSums<at::opmath_type<T>>* partials) {
+                           GradSums<at::opmath_type<T>>* partials, E ep) {
   using A = at::opmath_type<T>;
   __shared__ GradSums<A> shared[kThreads / kWarp];
   A m[N];
@@ -73,6 +75,8 @@ __global__ void __launch_bounds__(kThreads)
     A xv[N], dv[N];
     load<N>(x + v * N, xv);
     load<N>(dy + v * N, dv);
+#pragma unroll
+    for (int j = 0; j < N; ++j) ep.apply(v * N + j, blockIdx.x, xv[j], dv[j]);
     add(lanes, xv, dv, m);
   });
   const GradSums<A> s = block_reduce(fold(lanes), shared);
@@ -81,11 +85,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int N>
+template <typename T, int N, typename E>
 __global__ void __launch_bounds__(kThreads)
     column_grad_sums_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                             const at::opmath_type<T>* __restrict__ mean, ColumnGrid g,
-                            GradSums<at::opmath_type<T>>* partials) {
+                            GradSums<at::opmath_type<T>>* partials, E ep) {
   using A = at::opmath_type<T>;
   __shared__ LaneGradSums<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
@@ -98,6 +102,8 @@ __global__ void __launch_bounds__(kThreads)
       A xv[N], dv[N];
       load<N>(x + v * N, xv);
       load<N>(dy + v * N, dv);
+#pragma unroll
+      for (int j = 0; j < N; ++j) ep.apply(v * N + j, (column * N + j) / g.inner, xv[j], dv[j]);
       add(lanes, xv, dv, m);
     });
   }

@@ -1,0 +1,255 @@
+// CUDA implementations of the fused batch_norm_act operators: the plain
+// operators' two-kernel path (batch_norm_cuda.cu: reduce, per-channel
+// coefficients, elementwise pass) with an activation epilogue (epilogue.cuh)
+// in the gradient sums and the elementwise pass. Same contract, checks and
+// per-channel math as the CPU operators (cpu/batch_norm_act_cpu.cpp).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/rsqrt.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "activation_math.h"
+#include "batch_norm_args.h"
+#include "batch_norm_math.h"
+#include "cuda/coefficient_kernels.cuh"
+#include "cuda/epilogue.cuh"
+#include "cuda/launch.cuh"
+
+namespace torch_bn_grad::cuda {
+namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan) {
+  return t.has_value() ? to_kernel_layout(*t, plan) : at::Tensor();
+}
+
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+// The forward's coefficients (mean, x_scale, bias) of given statistics.
+template <typename A>
+void frozen_forward_coefficients(const at::Tensor& mean_d, const at::Tensor& var_d, const at::Tensor& gamma_d,
+                                 const at::Tensor& beta_d, double epsilon, int64_t channels,
+                                 const math::AffineArrays<A>& out) {
+  ForwardCoefficientArgs<A> args{};
+  args.mean = mean_d.const_data_ptr<double>();
+  args.variance = var_d.const_data_ptr<double>();
+  args.gamma = optional_data(gamma_d);
+  args.beta = optional_data(beta_d);
+  args.epsilon = epsilon;
+  args.channels = channels;
+  args.affine = {const_cast<A*>(out.mean), nullptr, const_cast<A*>(out.x_scale), const_cast<A*>(out.bias)};
+  forward_coefficients_kernel<A><<<channel_warps_grid(channels), kThreads, 0, stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cuda(
+    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
+    const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
+    double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
+  const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                                 negative_slope, data_format);
+  const ChannelPlan& plan = checked.plan;
+  const c10::cuda::CUDAGuard guard(src.device());
+  const auto acc = accumulate_type(src.scalar_type());
+  const Extent e = plan.extent();
+  const bool batch_statistics = !mean.has_value();
+  at::Tensor mean_k = channel_vector(plan, src, acc);
+  at::Tensor var_k = batch_statistics ? channel_vector(plan, src, acc) : at::Tensor();
+  KernelOutput out = make_kernel_output(src, plan);
+  if (src.numel() > 0) {
+    const at::Tensor x = to_kernel_layout(src, plan);
+    const at::Tensor r = layout_or_undefined(residual, plan);
+    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+    const at::Tensor beta_d = optional_channels(beta, plan, src);
+    at::Tensor x_scale = channel_vector(plan, src, acc);
+    at::Tensor bias = channel_vector(plan, src, acc);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_act_forward_cuda", [&] {
+      using A = Acc<scalar_t>;
+      ForwardCoefficientArgs<A> args{};
+      args.gamma = optional_data(gamma_d);
+      args.beta = optional_data(beta_d);
+      args.epsilon = epsilon;
+      args.channels = e.channels;
+      args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
+                     bias.mutable_data_ptr<A>()};
+      Partials<Moments<A>> partials;  // alive until the kernels are queued
+      at::Tensor mean_d, var_d;
+      if (batch_statistics) {
+        args.variance_out = var_k.mutable_data_ptr<A>();
+        partials = moment_partials<scalar_t>(x, e);
+        args.partials = partials.data;
+        args.per_channel = partials.per_channel;
+      } else {
+        mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, src);
+        var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
+        args.mean = mean_d.const_data_ptr<double>();
+        args.variance = var_d.const_data_ptr<double>();
+      }
+      forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const math::AffineArrays<A> c{mean_k.const_data_ptr<A>(), nullptr, x_scale.const_data_ptr<A>(),
+                                    bias.const_data_ptr<A>()};
+      act::dispatch_activation(checked.kind, [&](auto activation_type) {
+        ForwardActEpilogue<scalar_t, decltype(activation_type)> ep{};
+        ep.r = data_or_null<scalar_t>(r);
+        ep.slope = static_cast<A>(negative_slope);
+        apply_affine<scalar_t, false>(x, nullptr, out.buffer, e, c, ep);
+      });
+    });
+    finish_kernel_output(out, plan);
+  } else if (batch_statistics) {
+    mean_k.fill_(std::numeric_limits<double>::quiet_NaN());
+    var_k.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  if (!batch_statistics) {
+    return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous)};
+  }
+  return {out.result, from_kernel_channels(mean_k, plan, acc, src), from_kernel_channels(var_k, plan, acc, src)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cuda(
+    const at::Tensor& diff_dst, const OptionalTensor& src, const OptionalTensor& dst, const OptionalTensor& residual,
+    const at::Tensor& mean, const at::Tensor& variance, const OptionalTensor& gamma, const OptionalTensor& beta,
+    double epsilon, c10::string_view activation, double negative_slope, c10::string_view data_format, bool training,
+    bool from_output, std::array<bool, 4> output_mask) {
+  const ActPlan checked = check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
+                                                  activation, negative_slope, data_format, from_output);
+  const ChannelPlan& plan = checked.plan;
+  const at::Tensor& data = from_output ? *dst : *src;
+  const c10::cuda::CUDAGuard guard(data.device());
+  const auto acc = accumulate_type(data.scalar_type());
+  const Extent e = plan.extent();
+  const int64_t M = plan.reduced_count();
+  const bool need_sums = training || output_mask[1] || output_mask[2];
+  // dz is written by the elementwise pass, which diff_src drives.
+  const bool need_pass = (output_mask[0] || output_mask[3]) && data.numel() > 0;
+  KernelOutput dx, dz;
+  if (output_mask[0] || output_mask[3]) dx = make_kernel_output(data, plan);
+  if (output_mask[3]) dz = make_kernel_output(data, plan);
+  at::Tensor dg = output_mask[1] ? channel_vector(plan, data, at::kDouble) : at::Tensor();
+  at::Tensor db = output_mask[2] ? channel_vector(plan, data, at::kDouble) : at::Tensor();
+
+  if (e.channels > 0 && (need_pass || output_mask[1] || output_mask[2])) {
+    const at::Tensor x = to_kernel_layout(data, plan);
+    const at::Tensor y = from_output ? at::Tensor() : layout_or_undefined(dst, plan);
+    const at::Tensor r = layout_or_undefined(residual, plan);
+    const at::Tensor dy = to_kernel_layout(diff_dst, plan);
+    const at::Tensor mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, data);
+    const at::Tensor var_d = to_kernel_channels(variance, plan, at::kDouble, 0, data);
+    const at::Tensor gamma_d = optional_channels(gamma, plan, data);
+    const at::Tensor beta_d = optional_channels(beta, plan, data);
+    // The kernel centres x on the mean, or (from_output) u on beta, with
+    // unit = gamma * rstd (coefficient_kernels.cuh).
+    const at::Tensor centre_k = to_kernel_channels(from_output ? beta : OptionalTensor(mean), plan, acc, 0, data);
+    at::Tensor unit;
+    if (from_output) {
+      unit = at::rsqrt(at::add(var_d, epsilon));
+      if (gamma_d.defined()) unit = at::mul(unit, gamma_d);
+    }
+    at::Tensor dy_scale, x_scale, bias, fwd_mean, fwd_scale, fwd_bias;
+    if (need_pass) {
+      dy_scale = channel_vector(plan, data, acc);
+      x_scale = channel_vector(plan, data, acc);
+      bias = channel_vector(plan, data, acc);
+    }
+    if (checked.kind == act::Kind::silu) {
+      fwd_mean = channel_vector(plan, data, acc);
+      fwd_scale = channel_vector(plan, data, acc);
+      fwd_bias = channel_vector(plan, data, acc);
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_act_backward_cuda", [&] {
+      using A = Acc<scalar_t>;
+      BackwardCoefficientArgs<A> args{};
+      args.mean = centre_k.const_data_ptr<A>();
+      args.variance = var_d.const_data_ptr<double>();
+      args.gamma = optional_data(gamma_d);
+      args.unit = optional_data(unit);
+      args.epsilon = epsilon;
+      args.channels = e.channels;
+      args.reduced = M;
+      args.training = training;
+      if (need_pass) {
+        args.affine = {nullptr, dy_scale.mutable_data_ptr<A>(), x_scale.mutable_data_ptr<A>(),
+                       bias.mutable_data_ptr<A>()};
+      }
+      if (dg.defined()) args.diff_gamma = dg.mutable_data_ptr<double>();
+      if (db.defined()) args.diff_beta = db.mutable_data_ptr<double>();
+      scalar_t* dz_out = output_mask[3] ? dz.buffer.mutable_data_ptr<scalar_t>() : nullptr;
+      const A slope = static_cast<A>(negative_slope);
+
+      auto run = [&](const auto& ep) {
+        Partials<GradSums<A>> partials;  // alive until the kernels are queued
+        if (need_sums && M > 0) {
+          partials = grad_sum_partials<scalar_t>(x, dy, centre_k, e, ep);
+          args.partials = partials.data;
+          args.per_channel = partials.per_channel;
+        }
+        backward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (need_pass) {
+          const math::AffineArrays<A> coef{centre_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),
+                                           x_scale.const_data_ptr<A>(), bias.const_data_ptr<A>()};
+          apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), dx.buffer, e, coef, ep);
+        }
+      };
+      act::dispatch_activation(checked.kind, [&](auto activation_type) {
+        using Act = decltype(activation_type);
+        if constexpr (Act::kGradFromOutput) {
+          if constexpr (Act::kKind == act::Kind::identity || Act::kKind == act::Kind::leaky_relu) {
+            if (from_output) {
+              OutputGateEpilogue<scalar_t, Act, true> ep{};
+              ep.dz = dz_out;
+              ep.r = data_or_null<scalar_t>(r);
+              ep.slope = slope;
+              run(ep);
+              return;
+            }
+          }
+          OutputGateEpilogue<scalar_t, Act, false> ep{};
+          ep.dz = dz_out;
+          ep.y = data_or_null<scalar_t>(y);
+          ep.slope = slope;
+          run(ep);
+        } else {
+          const math::AffineArrays<A> forward{fwd_mean.const_data_ptr<A>(), nullptr, fwd_scale.const_data_ptr<A>(),
+                                              fwd_bias.const_data_ptr<A>()};
+          frozen_forward_coefficients<A>(mean_d, var_d, gamma_d, beta_d, epsilon, e.channels, forward);
+          InputGateEpilogue<scalar_t, Act> ep{};
+          ep.dz = dz_out;
+          ep.forward = forward;
+          ep.r = data_or_null<scalar_t>(r);
+          ep.slope = slope;
+          run(ep);
+        }
+      });
+    });
+    if (need_pass && output_mask[0]) finish_kernel_output(dx, plan);
+    if (need_pass && output_mask[3]) finish_kernel_output(dz, plan);
+  }
+  const auto stats_dtype = mean.scalar_type();
+  return {output_mask[0] ? dx.result : at::empty({0}, data.options()),
+          output_mask[1] ? from_kernel_channels(dg, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[2] ? from_kernel_channels(db, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[3] ? dz.result : at::empty({0}, data.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
+  m.impl("batch_norm_act_forward", &batch_norm_act_forward_cuda);
+  m.impl("batch_norm_act_backward", &batch_norm_act_backward_cuda);
+}
+
+}  // namespace torch_bn_grad::cuda
