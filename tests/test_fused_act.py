@@ -321,3 +321,42 @@ def test_errors_name_the_argument(call, error, match):
     x = torch.randn(2, 3, 4)
     with pytest.raises(error, match=match):
         call(x)
+
+
+_ISA_SCRIPT = r"""
+import json, torch, torch_bn_grad
+g = torch.Generator().manual_seed(0)
+out = {"isa": torch_bn_grad.cpu_kernel_isa(), "results": []}
+for shape, fmt in [((8, 5, 37), "NCX"), ((300, 37), "NCX"), ((4, 9, 5, 19), "NXC")]:
+    for dt in (torch.float32, torch.float64):
+        x, r, dy = (torch.randn(shape, generator=g).to(dt) for _ in range(3))
+        for act in ("identity", "relu", "leaky_relu", "silu"):
+            y, m, v = torch_bn_grad.batch_norm_act_forward(x, None, None, residual=r, activation=act,
+                                                           negative_slope=0.1, data_format=fmt)
+            grads = torch_bn_grad.batch_norm_act_backward(dy, m, v, src=x, dst=y, residual=r, activation=act,
+                                                          negative_slope=0.1, data_format=fmt)
+            out["results"].append([t.double().flatten().tolist() for t in (y, m, v, *grads)])
+print(json.dumps(out))
+"""
+
+
+def test_every_isa_kernel_agrees():
+    """Each compiled ISA copy of the fused kernels (vector and scalar activation paths) gives the same results."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    order = ["default", "avx2", "avx512"]
+    supported = torch.backends.cpu.get_cpu_capability().lower()
+    runs = {}
+    for c in order[: order.index(supported) + 1] if supported in order else ["default"]:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=c)
+        proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,
+                              check=True)
+        runs[c] = json.loads(proc.stdout)
+        assert runs[c]["isa"] == c.upper()
+    for run in runs.values():
+        for case_a, case_b in zip(runs["default"]["results"], run["results"]):
+            for a, b in zip(case_a, case_b):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
