@@ -360,3 +360,53 @@ def test_every_isa_kernel_agrees():
         for case_a, case_b in zip(runs["default"]["results"], run["results"]):
             for a, b in zip(case_a, case_b):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["rank3", "rank4-cl"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_inductor_rewrites_match_the_operators(activation, layout):
+    """The inductor lowering (torch_bn_grad/_inductor_act.py), run eagerly on real
+    tensors, gives the operators' results; it is in inductor's table."""
+    from torch_bn_grad import _inductor, _inductor_act
+
+    assert _inductor.ensure_registered()
+    import torch._inductor.decomposition as decomposition
+
+    assert torch.ops.torch_bn_grad.batch_norm_act_forward.default in decomposition.decompositions
+    x, r, dy, w, b, _, _ = (t.float() for t in _inputs(layout, torch.float32, True))
+    rewrites = _inductor_act.rewrites()
+    for op, args in (
+        (torch.ops.torch_bn_grad.batch_norm_act_forward.default,
+         (x, w, b, None, None, r, EPS, activation, SLOPE, "NCX", False)),
+    ):
+        torch.testing.assert_close(rewrites[op](*args), op(*args), atol=1e-5, rtol=1e-5)
+    y, m, v = torch.ops.torch_bn_grad.batch_norm_act_forward(x, w, b, None, None, r, EPS, activation, SLOPE, "NCX",
+                                                             False)
+    bwd = torch.ops.torch_bn_grad.batch_norm_act_backward.default
+    for training in (True, False):
+        args = (dy, x, y, r, m, v, w, b, EPS, activation, SLOPE, "NCX", training, False, [True] * 4)
+        torch.testing.assert_close(rewrites[bwd](*args), bwd(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_inductor_compile_matches_eager():
+    """torch.compile with inductor (the lowering in place), training forward and backward."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rm, rv = torch.zeros(4), torch.ones(4)
+
+    def fn(x, w, b, r):
+        return batch_norm_act(x, rm, rv, w, b, True, residual=r, activation="silu")
+
+    compiled = torch.compile(fn, fullgraph=True)
+    g = torch.Generator().manual_seed(7)
+    x, r = torch.randn(3, 4, 5, 6, generator=g), torch.randn(3, 4, 5, 6, generator=g)
+    w, b = torch.rand(4, generator=g) + 0.5, torch.randn(4, generator=g)
+    results = []
+    for run in (compiled, fn):
+        inputs = [t.clone().requires_grad_() for t in (x, w, b, r)]
+        y = run(*inputs)
+        results.append((y, *torch.autograd.grad(y.square().sum(), inputs)))
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+    assert not counters["graph_break"]

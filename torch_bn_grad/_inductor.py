@@ -102,6 +102,12 @@ def _forward(src, gamma, beta, mean, variance, epsilon, data_format):
     form = _form(src, ref, data_format)
     if form is None:
         return _opaque(op)
+    dst, mean_out, var_out = _normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
+    return dst.to(src.dtype).contiguous(memory_format=_layout(src)), mean_out, var_out
+
+
+def _normalized(src, gamma, beta, mean, variance, epsilon, data_format, form):
+    """batch_norm_forward's (dst, mean, variance), dst in the accumulation dtype (not yet rounded)."""
     dims, shape = form
     acc = _acc_dtype(src)
     x = src.to(acc)
@@ -119,7 +125,7 @@ def _forward(src, gamma, beta, mean, variance, epsilon, data_format):
     dst = (x - mean_b) * scale
     if beta is not None:
         dst = dst + _bc(beta, src, data_format, acc)
-    return dst.to(src.dtype).contiguous(memory_format=_layout(src)), mean_out, var_out
+    return dst, mean_out, var_out
 
 
 def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
@@ -130,9 +136,15 @@ def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, traini
     form = _form(src, mean, data_format)
     if form is None:
         return _opaque(op)
+    return _gradients(src, diff_dst.to(_acc_dtype(src)), mean, variance, gamma, epsilon, data_format, training,
+                      output_mask, form)
+
+
+def _gradients(src, dy, mean, variance, gamma, epsilon, data_format, training, output_mask, form):
+    """batch_norm_backward's outputs from diff_dst `dy` given in the accumulation dtype."""
     dims, shape = form
     acc = _acc_dtype(src)
-    x, dy = src.to(acc), diff_dst.to(acc)
+    x = src.to(acc)
     mean_b = _bc(mean, src, data_format, acc)
     rstd = torch.rsqrt(_bc(variance, src, data_format, acc) + epsilon)
     xc = x - mean_b
@@ -238,9 +250,12 @@ def _register(decomposition: Any) -> bool:
         if api is None:
             return False
         table, fast, _ = api
+        from torch_bn_grad import _inductor_act  # the fused batch_norm_act operators' rewrites
+
         ops = {
             torch.ops.torch_bn_grad.batch_norm_forward.default: _forward,
             torch.ops.torch_bn_grad.batch_norm_backward.default: _backward,
+            **_inductor_act.rewrites(),
         }
         table.update(ops)
         # select_decomp_table() returns a cached copy of the table; fill it too if it is made already.

@@ -1,0 +1,78 @@
+"""Inductor rewrites of the fused ``batch_norm_act_forward``/``_backward``
+operators (see ``_inductor.py``, which registers them): batch norm as there,
+then the residual and the activation as ATen operations, all in the
+accumulation dtype and rounded once, so inductor fuses them with their
+neighbours. The memory-saving backward (``from_output``) and anything the
+plain rewrites keep opaque stay opaque."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torch_bn_grad import _inductor, config
+
+
+def _activate(z, activation: str, slope: float):
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "leaky_relu":
+        return F.leaky_relu(z, slope)
+    if activation == "silu":
+        return F.silu(z)
+    return z
+
+
+def _act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,
+                 memory_saving):
+    op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
+    if not config.compile_lowering or (mean is None) != (variance is None):
+        return _inductor._opaque(op)
+    ref = next((t for t in (mean, variance, gamma, beta) if t is not None), None)
+    form = _inductor._form(src, ref, data_format)
+    if form is None or (residual is not None and residual.dtype != src.dtype):
+        return _inductor._opaque(op)
+    z, mean_out, var_out = _inductor._normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
+    if residual is not None:
+        z = z + residual.to(z.dtype)
+    dst = _activate(z, activation, negative_slope)
+    return dst.to(src.dtype).contiguous(memory_format=_inductor._layout(src)), mean_out, var_out
+
+
+def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation, negative_slope,
+                  data_format, training, from_output, output_mask):
+    op = torch.ops.torch_bn_grad.batch_norm_act_backward.default
+    if not config.compile_lowering or from_output or src is None or diff_dst.dtype != src.dtype:
+        return _inductor._opaque(op)
+    form = _inductor._form(src, mean, data_format)
+    if form is None or _inductor._layout(diff_dst) is None:
+        return _inductor._opaque(op)
+    acc = _inductor._acc_dtype(src)
+    dy = diff_dst.to(acc)
+    if activation == "relu":
+        dz = torch.where(dst > 0, dy, 0.0)
+    elif activation == "leaky_relu":
+        dz = torch.where(dst > 0, dy, dy * negative_slope)
+    elif activation == "silu":
+        z, _, _ = _inductor._normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
+        if residual is not None:
+            z = z + residual.to(acc)
+        s = torch.sigmoid(z)
+        dz = dy * (s * (1 + z * (1 - s)))
+    else:
+        dz = dy
+    param = gamma.to(mean.dtype) if gamma is not None else None
+    diff_src, diff_gamma, diff_beta = _inductor._gradients(
+        src, dz, mean, variance, param, epsilon, data_format, training, list(output_mask[:3]), form)
+    layout = _inductor._layout(src)
+    diff_residual = dz.to(src.dtype).contiguous(memory_format=layout) if output_mask[3] else src.new_empty(0)
+    return diff_src, diff_gamma, diff_beta, diff_residual
+
+
+def rewrites() -> dict[Any, Any]:
+    return {
+        torch.ops.torch_bn_grad.batch_norm_act_forward.default: _act_forward,
+        torch.ops.torch_bn_grad.batch_norm_act_backward.default: _act_backward,
+    }
