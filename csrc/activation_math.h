@@ -14,8 +14,9 @@
 //   slope > 0): what the memory-saving backward (from the output) needs.
 //
 // To add an activation: a struct below, an entry in `Kind` and `kind_names`,
-// a case in `dispatch_activation`, and its second derivative in
-// torch_bn_grad/_act_autograd.py.
+// a case in `dispatch_activation`; in Python its name in
+// torch_bn_grad/_checks.py, its dz as torch ops in _act_autograd.py (double
+// backward differentiates it) and in _inductor_act.py (the lowering).
 #pragma once
 
 #include <cmath>
