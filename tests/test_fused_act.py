@@ -410,3 +410,11 @@ def test_inductor_compile_matches_eager():
         results.append((y, *torch.autograd.grad(y.square().sum(), inputs)))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"]
+
+
+def test_backward_operator_refuses_to_be_differentiated():
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    y, m, v = torch_bn_grad.batch_norm_act_forward(x.detach(), None, None, activation="silu")
+    dx = torch_bn_grad.batch_norm_act_backward(torch.ones_like(y), m, v, src=x, dst=y, activation="silu")[0]
+    with pytest.raises(NotImplementedError, match="batch_norm_act_forward"):
+        dx.sum().backward()

@@ -132,3 +132,21 @@ def _composite_backward(ctx, grad_dst, grad_mean, grad_variance):
 
 
 register_autograd(torch.ops.torch_bn_grad.batch_norm_act_forward.default, _backward, _setup_context)
+
+
+def _backward_op_setup_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _backward_op_backward(ctx, *grads):
+    raise NotImplementedError(
+        "batch_norm_act_backward is not differentiable itself; differentiate batch_norm_act_forward (or "
+        "functional.batch_norm_act) instead, whose autograd formula supports double backward"
+    )
+
+
+# The backward operator's Autograd kernel: gradients flowing into it raise
+# instead of being dropped silently.
+register_autograd(
+    torch.ops.torch_bn_grad.batch_norm_act_backward.default, _backward_op_backward, _backward_op_setup_context
+)
