@@ -40,6 +40,10 @@ _forward_ad = importlib.import_module("torch.autograd.forward_ad")
 _lookup("torch.autograd.forward_ad", "_current_level")
 
 
+# A tensor that torch.func wraps (vmap's BatchedTensor, grad's GradTrackingTensor).
+is_functorch_wrapped_tensor = _lookup("torch._C._functorch", "is_functorch_wrapped_tensor")
+
+
 def forward_ad_level() -> int:
     """The innermost active forward-mode AD level (-1: none)."""
     return _forward_ad._current_level
@@ -49,3 +53,27 @@ def forward_ad_level() -> int:
 functional_collectives = (
     importlib.import_module("torch.distributed._functional_collectives") if torch.distributed.is_available() else None
 )
+
+
+def _onnx_export_flags():
+    """The two exporters' "exporting now" flags, or None where this torch keeps them elsewhere."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:
+        return None
+    if not hasattr(GLOBALS, "in_onnx_export") or not hasattr(_flags, "_is_onnx_exporting"):
+        return None
+    return GLOBALS, _flags
+
+
+_ONNX_FLAGS = _onnx_export_flags()
+
+
+def in_onnx_export() -> bool:
+    """``torch.onnx.is_in_onnx_export()`` without its two imports per call (a
+    microsecond, on every BatchNorm forward); the public function where this
+    torch keeps the flags elsewhere."""
+    if _ONNX_FLAGS is None or torch.compiler.is_compiling():  # dynamo skips torch.onnx's internals
+        return torch.onnx.is_in_onnx_export()
+    return _ONNX_FLAGS[0].in_onnx_export or _ONNX_FLAGS[1]._is_onnx_exporting

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_bn_grad import _script
+from torch_bn_grad import _compat, _script
 from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad.functional import _batch_norm
 
@@ -28,7 +28,7 @@ class _FusedForward:
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
             )
-        if torch.onnx.is_in_onnx_export():  # the exporters translate torch's batch norm (see _onnx.py)
+        if _compat.in_onnx_export():  # the exporters translate torch's batch norm (see _onnx.py)
             return _BatchNorm.forward(self, input)
         factor: Union[float, Tensor] = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

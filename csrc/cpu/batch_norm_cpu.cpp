@@ -60,8 +60,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
   const auto stats_dtype = mean.scalar_type();
-  at::Tensor diff_gamma_d = output_mask[1] ? at::zeros({plan.channels}, src.options().dtype(at::kDouble)) : at::Tensor();
-  at::Tensor diff_beta_d = output_mask[2] ? at::zeros({plan.channels}, src.options().dtype(at::kDouble)) : at::Tensor();
+  // The kernel writes every channel; only an empty src leaves the sums at zero.
+  const auto channel_sums = [&](bool wanted) {
+    if (!wanted) return at::Tensor();
+    at::Tensor v = channel_vector(plan, src);
+    if (src.numel() == 0) v.zero_();
+    return v;
+  };
+  at::Tensor diff_gamma_d = channel_sums(output_mask[1]);
+  at::Tensor diff_beta_d = channel_sums(output_mask[2]);
   KernelOutput out;
   if (output_mask[0]) out = make_kernel_output(src, plan, output_allocator());
 
