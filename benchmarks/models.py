@@ -26,7 +26,8 @@ from typing import Callable, Optional
 import torch
 
 import torch_bn_grad
-from torch_bn_grad import _models, config
+from benchmarks import resnets as _models
+from torch_bn_grad import config
 
 MODES = ("train", "eval")
 LAYOUTS = ("contiguous", "channels_last")

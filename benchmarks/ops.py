@@ -1,6 +1,6 @@
 """Benchmark: torch_bn_grad against torch's native batch norm, side by side.
 
-    python -m torch_bn_grad.bench [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
+    python -m torch_bn_grad.bench (or, in a checkout, python benchmarks/ops.py) [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module] [--min-run-time S]
     python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
@@ -9,7 +9,7 @@
 
 With ``--model`` it times a whole ResNet (train step and eval, eager and
 compiled) with this library's BatchNorm against torch's, see
-``torch_bn_grad._model_bench``.
+``benchmarks/models.py``.
 
 For each case it prints the median time of torch's native operator and of
 ours (torch.utils.benchmark, same process, interleaved), the speedup, the
@@ -36,13 +36,17 @@ import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch.utils import benchmark
 
 import torch_bn_grad
-from torch_bn_grad import _model_bench
+
+if __package__ in (None, ""):  # run as a script: its package is the source tree's benchmarks/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import models as _model_bench  # noqa: E402
 
 RESNET50_SHAPES = [
     (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
