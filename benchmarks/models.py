@@ -27,7 +27,7 @@ import torch
 
 import torch_bn_grad
 from benchmarks import resnets as _models
-from torch_bn_grad import config
+from torch_bn_grad import _compat, config
 
 MODES = ("train", "eval")
 LAYOUTS = ("contiguous", "channels_last")
@@ -56,8 +56,7 @@ def _opaque_inductor(gm, example_inputs):
 
     A backend of its own also keeps dynamo from reusing a graph compiled for
     another variant of the same model class."""
-    from torch._inductor.compile_fx import compile_fx
-
+    compile_fx = _compat.inductor_compile_fx()
     previous = config.compile_lowering
     config.compile_lowering = False
     try:

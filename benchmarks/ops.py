@@ -42,11 +42,11 @@ from typing import Callable, Optional
 import torch
 from torch.utils import benchmark
 
-import torch_bn_grad
-
-if __package__ in (None, ""):  # run as a script: its package is the source tree's benchmarks/
+if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad, benchmarks/) first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch_bn_grad  # noqa: E402
 from benchmarks import models as _model_bench  # noqa: E402
+from torch_bn_grad import _compat  # noqa: E402
 
 RESNET50_SHAPES = [
     (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
@@ -90,7 +90,7 @@ def device_problem(device: str) -> Optional[str]:
             return f"torch {torch.__version__} is built without CUDA"
         return f"no CUDA device is visible to torch {torch.__version__} (CUDA {torch.version.cuda})"
     # A build without a CUDA toolkit registers CPU kernels only; ask the dispatcher.
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("torch_bn_grad::batch_norm_forward", "CUDA"):
+    if not _compat.has_kernel("torch_bn_grad::batch_norm_forward", "CUDA"):
         return ("torch_bn_grad was built without its CUDA kernels (no CUDA toolkit at build time?); "
                 "rebuild it with `pip install --no-build-isolation -e .`")
     return None
