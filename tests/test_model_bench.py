@@ -61,3 +61,20 @@ def test_entry_without_source_tree_says_so(tmp_path, monkeypatch, capsys):
         entry.main(["--help"])
     assert "installed without it" in str(exit_info.value) and "pip install --no-build-isolation -e ." in str(
         exit_info.value)
+
+
+def test_allocator_bench_environment_and_parse(monkeypatch):
+    allocators = entry.load("allocators")
+    monkeypatch.setenv("LD_PRELOAD", "/somewhere/libother.so")
+    monkeypatch.setenv("TORCH_BN_GRAD_OUTPUT_CACHE_MB", "64")
+    env = allocators.environment("jemalloc", "off")
+    assert env["LD_PRELOAD"].endswith("libjemalloc.so.2") and env["TORCH_BN_GRAD_OUTPUT_CACHE_MB"] == "0"
+    env = allocators.environment("thp", "on")
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1" and "LD_PRELOAD" not in env and "TORCH_BN_GRAD_OUTPUT_CACHE_MB" not in env
+    line = ("median training step (batch 128, 48x48, channels_last): torch BatchNorm 63.57 ms, "
+            "torch_bn_grad 63.35 ms, speedup 1.00x")
+    assert allocators.parse(f"epoch 1: ...\n{line}\n") == (63.57, 63.35)
+    notes = []
+    monkeypatch.setitem(allocators.ALLOCATORS, "jemalloc", ({}, allocators.ROOT / "no-such-lib.so"))
+    assert allocators.available(["glibc", "jemalloc"], log=notes.append) == ["glibc"]
+    assert "skipping jemalloc" in notes[0]
