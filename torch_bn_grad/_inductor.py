@@ -21,8 +21,9 @@ The rewrites go into inductor's decomposition table, a private API: it and
 inductor's fallback registration are looked up in ``_compat`` (which checks
 the torch version and the names used); where they are missing this module
 warns (once) and leaves the operators opaque. The table is read from
-``torch._inductor.decomposition``, which costs seconds to import; so it is registered when that module is first
-imported (by the first inductor compilation), through an import hook.
+``torch._inductor.decomposition``, which costs seconds to import; so it is
+registered when that module is first imported (by the first inductor
+compilation), through an import hook.
 """
 
 from __future__ import annotations
