@@ -87,6 +87,8 @@ def in_onnx_export() -> bool:
     if _ONNX_FLAGS is None or torch.compiler.is_compiling():  # dynamo skips torch.onnx's internals
         return torch.onnx.is_in_onnx_export()
     return _ONNX_FLAGS[0].in_onnx_export or _ONNX_FLAGS[1]._is_onnx_exporting
+
+
 # ------------------------------------------------------------------ optional private APIs
 # The features below are optional: where torch lacks what they need, the feature
 # is off (with a warning, said by its module) and the rest of the library works.
