@@ -85,14 +85,25 @@ def run_once(allocator: str, cache: str, train_args: list[str]) -> tuple[float, 
     return parse(done.stdout)
 
 
+def preloads(library: Path) -> bool:
+    """Whether a Python started with LD_PRELOAD=`library` has it mapped (the loader may refuse it)."""
+    probe = "import sys; sys.stdout.write(open('/proc/self/maps').read())"
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "LD_PRELOAD": str(library)},
+                          capture_output=True, text=True)
+    return done.returncode == 0 and library.name in done.stdout
+
+
 def available(names: list[str], log=print) -> list[str]:
-    """The allocators among `names` whose library is there; a note for each that is not."""
+    """The allocators among `names` whose library is there and loads; a note for each that is not."""
     kept = []
     for name in names:
         library = ALLOCATORS[name][1]
         if library is not None and not library.is_file():
             log(f"note: skipping {name}: {library} not found (e.g. apt-get install "
                 f"{'libjemalloc2' if name == 'jemalloc' else 'libtcmalloc-minimal4'})")
+            continue
+        if library is not None and not preloads(library):
+            log(f"note: skipping {name}: LD_PRELOAD={library} does not load into {sys.executable}")
             continue
         kept.append(name)
     return kept
