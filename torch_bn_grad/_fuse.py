@@ -79,7 +79,10 @@ def fuse(
     module = _convert.convert(module, sync, process_group, subclasses, norm_act=True)
     module = _fuse_tree(module, "", memory_saving, unfused)
     if unfused:
-        lines = "\n".join(f"  {name or 'the root module'}: {why}" for name, why in unfused)
+        by_reason: dict[str, list[str]] = {}
+        for name, why in unfused:
+            by_reason.setdefault(why, []).append(name or "the root module")
+        lines = "\n".join(f"  {why}: {', '.join(names)}" for why, names in by_reason.items())
         warnings.warn(f"convert_batchnorm(fuse=True): {len(unfused)} BatchNorm(s) left unfused (converted, "
                       f"computing as before):\n{lines}", UserWarning, stacklevel=3)
     return module
