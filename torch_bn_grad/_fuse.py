@@ -78,6 +78,7 @@ def fuse(
     module = _fuse_timm(module, "", sync, memory_saving, unfused)
     module = _convert.convert(module, sync, process_group, subclasses, norm_act=True)
     module = _fuse_tree(module, "", memory_saving, unfused)
+    unfused = list(dict.fromkeys(unfused))  # a BatchNorm called twice is named once
     if unfused:
         by_reason: dict[str, list[str]] = {}
         for name, why in unfused:
