@@ -118,7 +118,7 @@ def _check_fused(model: nn.Module, x: torch.Tensor, expect_fused: int, graph_mod
 
 
 def test_project_resnets():
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, 16, 16)
     fused = _check_fused(_models.resnet18(10), x, 17, True)  # stem + 2 per basic block
     _check_fused(_models.resnet50(10), x, 49, True)  # stem + 3 per bottleneck
     # The containers on the way to a fused module keep every submodule but not their forward.
