@@ -283,7 +283,7 @@ def _rewrite(module: nn.Module, graph: fx.Graph, path: str, memory_saving: bool,
         if _in_sequential(site, modules, calls):
             parent, bn_name = _split(target)
             setattr(modules[parent], bn_name, fused)
-            setattr(modules[parent], _split(str(site.act.target))[1], nn.Identity())
+            setattr(modules[parent], _split(str(site.act.target))[1], nn.Identity().train(fused.training))
         else:
             replaced[target] = fused
         # Read now: an earlier site's rewrite may have replaced the input or the residual node.
