@@ -141,7 +141,8 @@ def test_torchvision_blocks():
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
     down = lambda c_in, c: nn.Sequential(nn.Conv2d(c_in, c, 1, 2, bias=False), nn.BatchNorm2d(c))  # noqa: E731
-    model = nn.Sequential(BasicBlock(4, 8, 2, down(4, 8)), BasicBlock(8, 8), Bottleneck(8, 2), Bottleneck(8, 4, 2, down(8, 16)))
+    model = nn.Sequential(BasicBlock(4, 8, 2, down(4, 8)), BasicBlock(8, 8), Bottleneck(8, 2),
+                          Bottleneck(8, 4, 2, down(8, 16)))
     _check_fused(model, torch.randn(2, 4, 8, 8), 2 + 2 + 3 + 3, True)
     _check_fused(torchvision.models.resnet18(num_classes=5), torch.randn(2, 3, 32, 32), 17, True)
 

@@ -163,8 +163,8 @@ class _ActForward(_FusedForward):
         negative_slope: float = 0.01,
         memory_saving: bool = False,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,  # type: ignore[call-arg]
-                         bias=bias)
+        super().__init__(  # type: ignore[call-arg]
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         self._set_activation(activation, negative_slope, memory_saving)
 
     def _set_activation(self, activation: str, negative_slope: float, memory_saving: bool) -> None:
