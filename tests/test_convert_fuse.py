@@ -8,6 +8,7 @@ compile (fullgraph, no graph breaks) and export. timm models end to end.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -262,3 +263,14 @@ def test_timm_models_end_to_end(name, fused_count):
     else:
         assert not warned
     _assert_same(model, fused, torch.randn(2, 3, 48, 48, dtype=torch.float64), steps=1)
+
+
+@needs_timm
+def test_timm_fused_model_pickles():
+    model = timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=3).eval()
+    fused, _ = _convert(copy.deepcopy(model))  # fused and unfused (Hardswish) derived classes of a dotted module
+    again = pickle.loads(pickle.dumps(fused))
+    assert type(again.blocks[0][0].bn1) is type(fused.blocks[0][0].bn1) and type(again.bn1) is type(fused.bn1)
+    assert isinstance(again.blocks[0][0].bn1, bn_nn._ActForward) and not isinstance(again.bn1, bn_nn._ActForward)
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(again(x), model(x))

@@ -139,7 +139,9 @@ def _derived(kind: type, base: type, act: bool) -> type:
 
 
 def _pickle_name(kind: type, base: type, act: bool) -> str:
-    return "|".join(("converted", kind.__module__, kind.__qualname__.replace(".", "/"), base.__name__, str(int(act))))
+    # No dots: pickle looks a qualified name up attribute by attribute, at each dot.
+    return "|".join(("converted", kind.__module__.replace(".", "/"), kind.__qualname__.replace(".", "/"),
+                     base.__name__, str(int(act))))
 
 
 def __getattr__(name: str) -> Any:
@@ -151,7 +153,7 @@ def __getattr__(name: str) -> Any:
 
     from torch_bn_grad import nn as ours
 
-    kind: Any = importlib.import_module(parts[1])
+    kind: Any = importlib.import_module(parts[1].replace("/", "."))
     for attr in parts[2].split("/"):
         kind = getattr(kind, attr)
     base = {"SyncBatchNorm": ours.SyncBatchNorm, "_FusedForward": ours._FusedForward,
