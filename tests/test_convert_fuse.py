@@ -125,6 +125,8 @@ def test_project_resnets():
     # The containers on the way to a fused module keep every submodule but not their forward.
     with pytest.raises(RuntimeError, match="call the GraphModule"):
         fused.features(x.double())
+    again, warned = _convert(fused)  # converting twice changes nothing
+    assert again is fused and not warned and _fused_count(again) == 17
     copied = copy.deepcopy(fused)
     assert list(copied.state_dict()) == list(fused.state_dict())
     torch.testing.assert_close(copied.eval()(x.double()), fused.eval()(x.double()))
