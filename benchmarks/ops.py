@@ -5,7 +5,7 @@
                                   [--directions forward,backward,module] [--min-run-time S]
     python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
                                   [--modes train,eval] [--executions eager,compile] [--layouts ...]
-                                  [--iters 3] [--rounds 5] [--opaque] [--threads N] [--json FILE]
+                                  [--iters 3] [--rounds 5] [--opaque] [--fuse] [--threads N] [--json FILE]
 
 With ``--model`` it times a whole ResNet (train step and eval, eager and
 compiled) with this library's BatchNorm against torch's, see

@@ -7,9 +7,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from torch_bn_grad import _activation
 from torch_bn_grad._running_stats import update_running_stats
 
-__all__ = ["batch_norm"]
+__all__ = ["batch_norm", "batch_norm_act"]
 
 
 def batch_norm(
@@ -96,3 +97,55 @@ def _verify_batch_size(input: Tensor) -> None:
         size_prods *= size
     if size_prods == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
+
+
+# PLACEHOLDER(fused-ops): replaced by the fused operator at merge
+def batch_norm_act(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    residual: Optional[Tensor] = None,
+    activation: str = "relu",
+    negative_slope: float = 0.01,
+    memory_saving: bool = False,
+) -> Tensor:
+    """``activation(batch_norm(input, ...) + residual)``: TEMPORARY composition of
+    ``batch_norm``, an add and torch's activation, standing in for the fused
+    operator (same signature and argument checks; ``memory_saving`` is checked
+    but saves nothing here)."""
+    return _batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                           residual=residual, activation=activation, negative_slope=negative_slope,
+                           memory_saving=memory_saving)
+
+
+def _batch_norm_act(
+    input: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+    *,
+    residual: Optional[Tensor] = None,
+    activation: str = "relu",
+    negative_slope: float = 0.01,
+    memory_saving: bool = False,
+) -> Tensor:
+    """``batch_norm_act`` whose ``momentum`` may also be a tensor (the modules' cumulative average)."""
+    _activation.check(activation, negative_slope, memory_saving, "batch_norm_act")
+    if residual is not None and residual.shape != input.shape:
+        raise ValueError(f"batch_norm_act: residual must have input's shape {tuple(input.shape)}, "
+                         f"got {tuple(residual.shape)}")
+    y = _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if residual is not None:
+        y = y + residual
+    return _activation.activate(y, activation, negative_slope)
+# END PLACEHOLDER(fused-ops)
