@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <limits>
 
 #include "batch_norm_args.h"
@@ -15,6 +16,15 @@ namespace {
 
 at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like) {
   return at::empty({plan.channels}, like.options().dtype(at::kDouble));
+}
+
+// A contiguous copy of a small per-channel tensor: a plain memcpy where it
+// can be (clone's dispatch costs more than copying a few channels).
+at::Tensor contiguous_copy(const at::Tensor& t) {
+  if (!t.is_contiguous()) return t.clone(at::MemoryFormat::Contiguous);
+  at::Tensor copy = at::empty(t.sizes(), t.options());
+  std::memcpy(copy.mutable_data_ptr(), t.const_data_ptr(), t.nbytes());
+  return copy;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
@@ -35,8 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
                                     beta_d, epsilon);
       finish_kernel_output(out, plan);
     }
-    return {out.result, mean->clone(at::MemoryFormat::Contiguous),
-            variance->clone(at::MemoryFormat::Contiguous)};
+    return {out.result, contiguous_copy(*mean), contiguous_copy(*variance)};
   }
 
   at::Tensor mean_d = channel_vector(plan, src);
