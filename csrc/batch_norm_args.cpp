@@ -370,7 +370,18 @@ ChannelPlan check_grad_input_args(const at::Tensor& src, const at::Tensor& diff_
   return plan;
 }
 
+namespace {
+bool is_identity(const std::vector<int64_t>& permutation) {
+  for (size_t i = 0; i < permutation.size(); ++i)
+    if (permutation[i] != static_cast<int64_t>(i)) return false;
+  return true;
+}
+}  // namespace
+
+// The identity permutation of a contiguous tensor is the tensor itself: no view
+// is made (a view costs about a microsecond, a tenth of a small operator).
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {
+  if (is_identity(plan.permutation) && t.is_contiguous()) return t;
   return t.permute(plan.permutation).contiguous();
 }
 
@@ -384,12 +395,17 @@ KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan, 
     out.result = at::detail::empty_strided_generic(src.sizes(), strides, allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
                                                    src.scalar_type());
   }
+  if (is_identity(plan.permutation) && out.result.is_contiguous()) {
+    out.buffer = out.result;
+    return out;
+  }
   auto view = out.result.permute(plan.permutation);
   out.buffer = view.is_contiguous() ? view : at::empty(view.sizes(), src.options());
   return out;
 }
 
 void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan) {
+  if (out.buffer.is_same(out.result)) return;
   auto view = out.result.permute(plan.permutation);
   if (!view.is_same(out.buffer) && view.data_ptr() != out.buffer.data_ptr()) view.copy_(out.buffer);
 }
@@ -413,7 +429,26 @@ std::vector<int64_t> kernel_from_logical(const ChannelPlan& plan) {
 
 at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
                               at::ScalarType dtype, double fill, const at::Tensor& like) {
-  if (!t.has_value()) return at::full({plan.channels}, fill, like.options().dtype(dtype));
+  if (!t.has_value()) {
+    at::Tensor v = at::empty({plan.channels}, like.options().dtype(dtype));
+    if (dtype == at::kDouble) std::fill_n(v.mutable_data_ptr<double>(), plan.channels, fill);
+    else v.fill_(fill);
+    return v;
+  }
+  if (plan.kept_kernel == plan.kept_logical && t->is_contiguous() && t->is_cpu()) {
+    // The common case, a contiguous vector, converted by a plain loop
+    // (TensorIterator's set-up costs more than the copy of a few channels).
+    if (t->scalar_type() == dtype) return t->dim() == 1 ? *t : t->view({plan.channels});
+    if (dtype == at::kDouble) {
+      at::Tensor v = at::empty({plan.channels}, like.options().dtype(dtype));
+      double* out = v.mutable_data_ptr<double>();
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t->scalar_type(), "to_kernel_channels", [&] {
+        const scalar_t* in = t->const_data_ptr<scalar_t>();
+        for (int64_t k = 0; k < plan.channels; ++k) out[k] = static_cast<double>(in[k]);
+      });
+      return v;
+    }
+  }
   if (plan.kept_kernel == plan.kept_logical) return t->reshape({plan.channels}).to(dtype).contiguous();
   return t->reshape(sizes_of(like, plan.kept_logical))
       .permute(kernel_from_logical(plan))
@@ -424,6 +459,17 @@ at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelP
 
 at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan, at::ScalarType dtype,
                                 const at::Tensor& like) {
+  if (plan.kept_kernel == plan.kept_logical && v.is_cpu() && v.scalar_type() == at::kDouble && v.is_contiguous()) {
+    if (dtype == at::kDouble) return v.view(plan.stats_shape);
+    at::Tensor out = at::empty(plan.stats_shape, v.options().dtype(dtype));
+    const double* in = v.const_data_ptr<double>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "from_kernel_channels", [&] {
+      // c10::convert rounds as Tensor.to does (once, to the nearest).
+      scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+      for (int64_t k = 0; k < plan.channels; ++k) dst[k] = c10::convert<scalar_t>(in[k]);
+    });
+    return out;
+  }
   if (plan.kept_kernel == plan.kept_logical) return v.reshape(plan.stats_shape).to(dtype).contiguous();
   const auto to_logical = kernel_from_logical(plan);
   std::vector<int64_t> inverse(to_logical.size());

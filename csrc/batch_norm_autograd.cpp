@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <array>
@@ -209,10 +210,30 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
   return outputs;
 }
 
+// The running statistics are buffers, never differentiated: the update runs
+// below autograd, and bumps their version counters as any in-place op does (a
+// graph that saved them then refuses to run backward).
+void update_running_stats_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
+                                   const at::Tensor& mean, const at::Tensor& variance, int64_t count,
+                                   double momentum) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torch_bn_grad::batch_norm_update_running_stats", "")
+                             .typed<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
+                                         const at::Tensor&, int64_t, double)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.call(running_mean, running_var, mean, variance, count, momentum);
+  }
+  if (count == 0) return;
+  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
+  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_forward", &batch_norm_forward_autograd);
+  m.impl("batch_norm_update_running_stats", &update_running_stats_autograd);
 }
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeImplicitAutograd, m) {

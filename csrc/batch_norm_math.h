@@ -64,6 +64,17 @@ TBG_HOST_DEVICE Moments<double> centred_moments(double count, double sum_x, doub
   return {count, mean, m2 < 0.0 ? 0.0 : m2};
 }
 
+// The moments of `count` values from the exact sums of d = x - centre and of
+// d^2 about any centre (the CUDA kernels' first value of a channel): mean =
+// centre + sum_d / count, m2 = sum_d2 - sum_d * (sum_d / count), clamped at 0.
+// The same identity as centred_moments, taken from sum(d) rather than sum(x),
+// so that a centre a few deviations from the mean costs float64 data nothing.
+TBG_HOST_DEVICE Moments<double> shifted_moments(double count, double centre, double sum_d, double sum_d2) {
+  const double offset = sum_d / count;
+  const double m2 = sum_d2 - sum_d * offset;
+  return {count, centre + offset, m2 < 0.0 ? 0.0 : m2};
+}
+
 // ------------------------------------------------------------------ forward
 // dst = scale * (x - mean) + shift.
 struct ForwardCoefficients {

@@ -98,6 +98,12 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "Tensor variance, Tensor? gamma, Tensor? beta, float epsilon, str activation, float negative_slope, "
       "str data_format, bool training, bool from_output, bool[4] output_mask) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_residual)");
+  // torch BatchNorm's running-statistics update in place, with momentum and
+  // the unbiased variance of `count` elements per channel (count 0: no
+  // change); one call for eager training steps (csrc/running_stats.cpp).
+  m.def(
+      "batch_norm_update_running_stats(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
+      "Tensor variance, int count, float momentum) -> ()");
 
   // Split stages, for batch statistics over several processes (SyncBatchNorm).
   // They take the 1-D channel form (src of rank 2 to 8, channel axis chosen by

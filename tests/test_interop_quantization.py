@@ -23,7 +23,7 @@ from torch.ao.quantization import (
 from torch.ao.quantization import quantize_fx
 
 import torch_bn_grad
-from torch_bn_grad import _quantization
+from torch_bn_grad import _compat, _quantization
 from interop_models import assert_same_state, example_input, torch_type, twins
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -45,7 +45,7 @@ def _types(model: torch.nn.Module) -> list[tuple[str, type]]:
 
 def test_torch_internals_as_expected() -> None:
     """The private torch tables this library extends are there (else: a clear RuntimeError)."""
-    _quantization._torch_internals()
+    _compat.quantization_internals()
     _quantization.register()  # idempotent
     _quantization.register()
 

@@ -1,4 +1,5 @@
-"""Smoke tests of the model benchmark (``python -m torch_bn_grad.bench --model``) and the op bench's plot, tiny sizes."""
+"""Smoke tests of the benchmarks (``benchmarks/``, run by ``python -m torch_bn_grad.bench``): the model
+benchmark (``--model``) and the op bench's plot, tiny sizes; the entry's error without a source tree."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import pytest
 import torch
 
-from torch_bn_grad import _model_bench, _models, bench
+from torch_bn_grad import bench as entry
+
+bench, _model_bench, _models = entry.load("ops"), entry.load("models"), entry.load("resnets")
 
 
 @pytest.mark.parametrize("name", sorted(_models.MODELS))
@@ -50,3 +53,28 @@ def test_op_bench_plot_writes_png(tmp_path):
     path = tmp_path / "plot.png"
     bench.plot(results, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_entry_without_source_tree_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(entry, "SOURCE_ROOT", tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        entry.main(["--help"])
+    assert "installed without it" in str(exit_info.value) and "pip install --no-build-isolation -e ." in str(
+        exit_info.value)
+
+
+def test_allocator_bench_environment_and_parse(monkeypatch):
+    allocators = entry.load("allocators")
+    monkeypatch.setenv("LD_PRELOAD", "/somewhere/libother.so")
+    monkeypatch.setenv("TORCH_BN_GRAD_OUTPUT_CACHE_MB", "64")
+    env = allocators.environment("jemalloc", "off")
+    assert env["LD_PRELOAD"].endswith("libjemalloc.so.2") and env["TORCH_BN_GRAD_OUTPUT_CACHE_MB"] == "0"
+    env = allocators.environment("thp", "on")
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1" and "LD_PRELOAD" not in env and "TORCH_BN_GRAD_OUTPUT_CACHE_MB" not in env
+    line = ("median training step (batch 128, 48x48, channels_last): torch BatchNorm 63.57 ms, "
+            "torch_bn_grad 63.35 ms, speedup 1.00x")
+    assert allocators.parse(f"epoch 1: ...\n{line}\n") == (63.57, 63.35)
+    notes = []
+    monkeypatch.setitem(allocators.ALLOCATORS, "jemalloc", ({}, allocators.ROOT / "no-such-lib.so"))
+    assert allocators.available(["glibc", "jemalloc"], log=notes.append) == ["glibc"]
+    assert "skipping jemalloc" in notes[0]

@@ -4,7 +4,8 @@ Operators (registered under ``torch.ops.torch_bn_grad``):
 :func:`batch_norm_forward`, :func:`batch_norm_backward`, and the fused
 batch norm + residual + activation :func:`batch_norm_act_forward`, :func:`batch_norm_act_backward`.
 Autograd: :class:`BatchNormFunction`. Functional: :mod:`torch_bn_grad.functional`.
-Modules: :mod:`torch_bn_grad.nn` (``SyncBatchNorm`` included) and :func:`convert_batchnorm`.
+Modules: :mod:`torch_bn_grad.nn` (``SyncBatchNorm`` and the fused ``BatchNormAct1d/2d/3d``,
+``SyncBatchNormAct`` included) and :func:`convert_batchnorm` (``fuse=True`` fuses BatchNorm + activation).
 Split-stage operators for statistics across processes: :mod:`torch_bn_grad.stages`.
 The CPU output cache: :mod:`torch_bn_grad.memory`.
 """

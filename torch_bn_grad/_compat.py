@@ -1,19 +1,29 @@
 """The one home of the private torch APIs this package uses, behind a version check.
 
-Each is looked up once, here; a torch release that moves or drops one fails
-at import with a message naming it, instead of somewhere deep in a training
-step. The versions below are those the project is tested with (README).
+Each is looked up once, here. Those the core needs are looked up at import: a
+torch release that moves or drops one fails at import with a message naming
+it, instead of somewhere deep in a training step. Those of optional features
+(the lowering under inductor, quantization's tables) are looked up when first
+needed and raise :class:`PrivateAPIMissing`, which their module turns into a
+warning and the feature off. The versions below are those the project is
+tested with (README).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import sys
+from typing import Any, Callable, Optional
 
 import torch
 
 TESTED_TORCH = ((2, 13), (2, 14))  # (major, minor) releases the test suite runs on
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def torch_version_string() -> str:
+    """The tested torch releases, for messages."""
+    return ", ".join(".".join(map(str, v)) for v in TESTED_TORCH)
 
 
 def _lookup(module: str, name: str) -> Any:
@@ -22,7 +32,7 @@ def _lookup(module: str, name: str) -> Any:
     except (ImportError, AttributeError) as error:
         raise ImportError(
             f"torch_bn_grad needs {module}.{name}, which torch {torch.__version__} does not have "
-            f"(tested with torch {', '.join('.'.join(map(str, v)) for v in TESTED_TORCH)})"
+            f"(tested with torch {torch_version_string()})"
         ) from error
 
 
@@ -40,6 +50,10 @@ _forward_ad = importlib.import_module("torch.autograd.forward_ad")
 _lookup("torch.autograd.forward_ad", "_current_level")
 
 
+# A tensor that torch.func wraps (vmap's BatchedTensor, grad's GradTrackingTensor).
+is_functorch_wrapped_tensor = _lookup("torch._C._functorch", "is_functorch_wrapped_tensor")
+
+
 def forward_ad_level() -> int:
     """The innermost active forward-mode AD level (-1: none)."""
     return _forward_ad._current_level
@@ -49,3 +63,154 @@ def forward_ad_level() -> int:
 functional_collectives = (
     importlib.import_module("torch.distributed._functional_collectives") if torch.distributed.is_available() else None
 )
+
+
+def _onnx_export_flags():
+    """The two exporters' "exporting now" flags, or None where this torch keeps them elsewhere."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:
+        return None
+    if not hasattr(GLOBALS, "in_onnx_export") or not hasattr(_flags, "_is_onnx_exporting"):
+        return None
+    return GLOBALS, _flags
+
+
+_ONNX_FLAGS = _onnx_export_flags()
+
+
+def in_onnx_export() -> bool:
+    """``torch.onnx.is_in_onnx_export()`` without its two imports per call (a
+    microsecond, on every BatchNorm forward); the public function where this
+    torch keeps the flags elsewhere."""
+    if _ONNX_FLAGS is None or torch.compiler.is_compiling():  # dynamo skips torch.onnx's internals
+        return torch.onnx.is_in_onnx_export()
+    return _ONNX_FLAGS[0].in_onnx_export or _ONNX_FLAGS[1]._is_onnx_exporting
+
+
+# ------------------------------------------------------------------ optional private APIs
+# The features below are optional: where torch lacks what they need, the feature
+# is off (with a warning, said by its module) and the rest of the library works.
+# Each is looked up when first needed, not at import (importing inductor or
+# quantization costs seconds), and raises PrivateAPIMissing with the reason.
+
+
+class PrivateAPIMissing(RuntimeError):
+    """An optional private torch API is missing or not as expected; the message says which."""
+
+
+# Inductor (the lowering under torch.compile, _inductor.py).
+INDUCTOR_MIN_TORCH = (2, 5)
+INDUCTOR_DECOMPOSITION_MODULE = "torch._inductor.decomposition"
+
+
+def inductor_config() -> Any:
+    """``torch._inductor.config`` if inductor is loaded, else None (it is never imported here)."""
+    return sys.modules.get("torch._inductor.config")
+
+
+def _check_inductor_version() -> None:
+    if TORCH_VERSION < INDUCTOR_MIN_TORCH:
+        raise PrivateAPIMissing(f"torch {torch.__version__} is older than {'.'.join(map(str, INDUCTOR_MIN_TORCH))}")
+
+
+def _inductor_lacks(what: str) -> PrivateAPIMissing:
+    return PrivateAPIMissing(f"torch {torch.__version__}'s inductor lacks the private API this library's lowering "
+                             f"uses ({what})")
+
+
+def inductor_decompositions(module: Any) -> tuple[dict, Callable[[], dict], Any]:
+    """(decomposition table, ``fast_random_decomps`` (cached copy of the table), inductor's config)
+    from ``module``, the executed ``torch._inductor.decomposition``."""
+    _check_inductor_version()
+    table = getattr(module, "decompositions", None)
+    fast = getattr(module, "fast_random_decomps", None)
+    config = inductor_config()
+    if (
+        isinstance(table, dict)
+        and callable(fast)
+        and hasattr(fast, "cache_info")
+        and isinstance(getattr(config, "unsafe_marked_cacheable_functions", None), dict)
+    ):
+        return table, fast, config
+    raise _inductor_lacks("table")
+
+
+def inductor_fallback() -> Optional[Callable[[Any], None]]:
+    """A function that registers inductor's fallback (an extern call) for an operator, as
+    inductor makes for operators it has no lowering for; None when inductor's lowerings are
+    not loaded (not compiling with inductor: nothing to register)."""
+    _check_inductor_version()
+    lowering = sys.modules.get("torch._inductor.lowering")
+    library_utils = importlib.import_module("torch._library.utils")
+    get_tag = getattr(library_utils, "get_layout_constraint_tag", None)
+    if lowering is None:
+        return None
+    if not (all(hasattr(lowering, n) for n in ("lowerings", "make_fallback", "tag_to_layout_constraint")) and get_tag):
+        raise _inductor_lacks("fallback")
+
+    def fallback(op: Any) -> None:
+        if op not in lowering.lowerings:
+            constraint = lowering.tag_to_layout_constraint(get_tag(op, with_default=True))
+            lowering.make_fallback(op, layout_constraint=constraint, override_decomp=True)
+
+    return fallback
+
+
+def inductor_compile_fx() -> Callable:
+    """Inductor's backend function ``compile_fx(gm, example_inputs)`` (for a backend of one's own)."""
+    return _lookup("torch._inductor.compile_fx", "compile_fx")
+
+
+def aoti_load_package() -> Callable:
+    """``torch._inductor.aoti_load_package`` (AOTInductor packages, artifacts.py)."""
+    return _lookup("torch._inductor", "aoti_load_package")
+
+
+def has_kernel(op_name: str, dispatch_key: str) -> bool:
+    """Whether the dispatcher has a kernel of ``op_name`` (``ns::name``) for ``dispatch_key``."""
+    return _dispatch_has_kernel_for_dispatch_key(op_name, dispatch_key)
+
+
+_dispatch_has_kernel_for_dispatch_key = _lookup("torch._C", "_dispatch_has_kernel_for_dispatch_key")
+
+
+# Quantization (FX leaves, fusion and backend tables, _quantization.py).
+def quantization_internals() -> dict[str, Any]:
+    """The private quantization tables and classes that _quantization.py extends, checked.
+
+    Raises PrivateAPIMissing naming the torch version and the missing piece when
+    torch's quantization internals are not as expected."""
+    problem = None
+    try:
+        fuser_method_mappings = importlib.import_module("torch.ao.quantization.fuser_method_mappings")
+        quantization_mappings = importlib.import_module("torch.ao.quantization.quantization_mappings")
+        backend_config = importlib.import_module("torch.ao.quantization.backend_config")
+        lower_to_native = importlib.import_module("torch.ao.quantization.fx._lower_to_native_backend")
+        tracer = importlib.import_module("torch.ao.quantization.fx.tracer")
+        BackendConfig, BackendPatternConfig = backend_config.BackendConfig, backend_config.BackendPatternConfig
+        found = {
+            "fuser_methods": getattr(fuser_method_mappings, "_DEFAULT_OP_LIST_TO_FUSER_METHOD", None),
+            "static_quant_modules": getattr(quantization_mappings, "DEFAULT_STATIC_QUANT_MODULE_MAPPINGS", None),
+            "lower_modules": getattr(lower_to_native, "SPECIAL_PATTERN_LOWER_MODULE_MAP", None),
+            "BackendConfig": BackendConfig,
+            "QuantizationTracer": tracer.QuantizationTracer,
+        }
+        for name in ("fuser_methods", "static_quant_modules", "lower_modules"):
+            if not isinstance(found[name], dict):
+                problem = f"{name} table not found"
+        probe = BackendPatternConfig()
+        if not all(hasattr(probe, a) for a in ("pattern", "_pattern_complex_format", "fuser_method")):
+            problem = "BackendPatternConfig lacks pattern/_pattern_complex_format/fuser_method"
+        if not hasattr(BackendConfig, "set_backend_pattern_config"):
+            problem = "BackendConfig.set_backend_pattern_config not found"
+    except (ImportError, AttributeError) as error:
+        problem = str(error)
+    if problem is not None:
+        raise PrivateAPIMissing(
+            f"torch_bn_grad: torch {torch.__version__}'s quantization internals changed ({problem}); "
+            "fuse_modules, prepare_fx/convert_fx and FX tracing may not recognize torch_bn_grad's "
+            "BatchNorms. Please report this with your torch version."
+        )
+    return found

@@ -52,20 +52,24 @@ def convert(
     process_group: Optional[dist.ProcessGroup],
     subclasses: bool = False,
     name: str = "",
+    norm_act: bool = False,
 ) -> torch.nn.Module:
-    """The body of :func:`torch_bn_grad.nn.convert_batchnorm`."""
-    replaced = _replacement(module, sync, process_group, subclasses, name or "the root module")
+    """The body of :func:`torch_bn_grad.nn.convert_batchnorm`; ``norm_act``
+    converts timm's norm-act classes even when ``subclasses`` is false (``fuse=True``)."""
+    replaced = _replacement(module, sync, process_group, subclasses, name or "the root module", norm_act)
     if replaced is not None:
         return replaced
     for child_name, child in module.named_children():
-        new_child = convert(child, sync, process_group, subclasses, f"{name}.{child_name}" if name else child_name)
+        new_child = convert(child, sync, process_group, subclasses, f"{name}.{child_name}" if name else child_name,
+                            norm_act)
         if new_child is not child:
             setattr(module, child_name, new_child)
     return module
 
 
 def _replacement(
-    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool, name: str
+    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool, name: str,
+    norm_act: bool = False,
 ) -> Optional[torch.nn.Module]:
     """This library's module in place of a torch BatchNorm (sharing its state); None to keep it."""
     from torch_bn_grad import nn as ours
@@ -83,7 +87,7 @@ def _replacement(
     to_sync = sync or isinstance(module, torch.nn.SyncBatchNorm)
     if kind in exact or kind is torch.nn.SyncBatchNorm:
         target = ours.SyncBatchNorm if to_sync else exact[kind]
-    elif not subclasses:
+    elif not subclasses and not (norm_act and _is_timm_norm_act(kind)):
         # The contract: subclasses stay as they are unless asked for; never silently.
         warnings.warn(
             f"convert_batchnorm: {name} ({_describe(kind)}) is a subclass of torch's BatchNorm and was left "
@@ -135,7 +139,9 @@ def _derived(kind: type, base: type, act: bool) -> type:
 
 
 def _pickle_name(kind: type, base: type, act: bool) -> str:
-    return "|".join(("converted", kind.__module__, kind.__qualname__.replace(".", "/"), base.__name__, str(int(act))))
+    # No dots: pickle looks a qualified name up attribute by attribute, at each dot.
+    return "|".join(("converted", kind.__module__.replace(".", "/"), kind.__qualname__.replace(".", "/"),
+                     base.__name__, str(int(act))))
 
 
 def __getattr__(name: str) -> Any:
@@ -147,10 +153,11 @@ def __getattr__(name: str) -> Any:
 
     from torch_bn_grad import nn as ours
 
-    kind: Any = importlib.import_module(parts[1])
+    kind: Any = importlib.import_module(parts[1].replace("/", "."))
     for attr in parts[2].split("/"):
         kind = getattr(kind, attr)
-    base = {"SyncBatchNorm": ours.SyncBatchNorm, "_FusedForward": ours._FusedForward}[parts[3]]
+    base = {"SyncBatchNorm": ours.SyncBatchNorm, "_FusedForward": ours._FusedForward,
+            "_ActForward": ours._ActForward}[parts[3]]
     return _derived(kind, base, parts[4] == "1")
 
 

@@ -44,6 +44,17 @@ def _batch_norm_backward_fake(src, diff_dst, mean, variance, gamma, epsilon, dat
     return diff_src, diff_gamma, diff_beta
 
 
+@torch.library.register_fake("torch_bn_grad::batch_norm_update_running_stats")
+def _batch_norm_update_running_stats_fake(running_mean, running_var, mean, variance, count, momentum):
+    for name, running, batch in (("running_mean", running_mean, mean), ("running_var", running_var, variance)):
+        torch._check_value(
+            running is None or running.numel() == batch.numel(),
+            lambda: f"batch_norm_update_running_stats: {name} must have one value per channel ({batch.numel()}), "
+            f"got {running.numel()}",
+        )
+    return None
+
+
 def _check_stage_shapes(op: str, src: Tensor, data_format: str, **stats: tuple[Tensor, int]) -> int:
     torch._check_value(src.dim() >= 2, lambda: f"{op}: src must have rank 2 to 8, got shape {tuple(src.shape)}")
     channels = src.shape[_channels.channel_axis(src, data_format)]

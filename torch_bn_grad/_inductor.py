@@ -17,12 +17,13 @@ output would not keep, an unusual dtype), the operator stays as it is.
 ``torch_bn_grad.config.compile_lowering = False`` (or
 ``TORCH_BN_GRAD_COMPILE_LOWERING=0``) keeps the operators opaque everywhere.
 
-The rewrites go into inductor's decomposition table, a private API: all of it
-goes through :func:`_register` which checks the torch version and the
-names it uses, and warns (once) and leaves the operators opaque when they are
-missing. The table is read from ``torch._inductor.decomposition``, which
-costs seconds to import; so it is registered when that module is first
-imported (by the first inductor compilation), through an import hook.
+The rewrites go into inductor's decomposition table, a private API: it and
+inductor's fallback registration are looked up in ``_compat`` (which checks
+the torch version and the names used); where they are missing this module
+warns (once) and leaves the operators opaque. The table is read from
+``torch._inductor.decomposition``, which costs seconds to import; so it is
+registered when that module is first imported (by the first inductor
+compilation), through an import hook.
 """
 
 from __future__ import annotations
@@ -39,16 +40,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels, config
-
-_DECOMPOSITION_MODULE = "torch._inductor.decomposition"
+from torch_bn_grad import _channels, _compat, config
+from torch_bn_grad._compat import INDUCTOR_DECOMPOSITION_MODULE as _DECOMPOSITION_MODULE
+from torch_bn_grad._compat import OpOverload
 # An entry of inductor's config that enters the compile caches' keys (FX graph
 # cache and AOTAutograd cache), so that a compilation made with the lowering
 # is never reused without it, and the reverse, nor one made by another version
 # of this file. The name is no Python path, so
 # that it marks no real function as cacheable.
 _CACHE_KEY_NAME = "torch_bn_grad:compile_lowering"
-_MIN_TORCH = (2, 5)
 
 _lock = threading.Lock()
 _registered = False
@@ -172,11 +172,6 @@ def _gradients(src, dy, mean, variance, gamma, epsilon, data_format, training, o
 
 
 # ------------------------------------------------------------------ registration
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
 def _warn(reason: str) -> None:
     global _warned
     if not _warned:
@@ -189,51 +184,14 @@ def _warn(reason: str) -> None:
         )
 
 
-def _private_api(what: str, module: Any = None) -> Any:
-    """The one access to inductor's private APIs, checked against the torch version
-    and the names it needs; None (after a warning, once) when they are missing.
-
-    ``what``: "table" gives (decompositions, fast_random_decomps, inductor config)
-    from ``module`` (``torch._inductor.decomposition``); "fallback" gives a function
-    that registers inductor's fallback (an extern call) for an operator, as
-    inductor makes for operators it has no lowering for."""
-    if _torch_version() < _MIN_TORCH:
-        _warn(f"torch {torch.__version__} is older than {'.'.join(map(str, _MIN_TORCH))}")
-        return None
-    if what == "table":
-        table = getattr(module, "decompositions", None)
-        fast = getattr(module, "fast_random_decomps", None)
-        inductor_config = sys.modules.get("torch._inductor.config")
-        if (
-            isinstance(table, dict)
-            and callable(fast)
-            and hasattr(fast, "cache_info")
-            and isinstance(getattr(inductor_config, "unsafe_marked_cacheable_functions", None), dict)
-        ):
-            return table, fast, inductor_config
-    elif what == "fallback":
-        lowering = sys.modules.get("torch._inductor.lowering")
-        import torch._library.utils as library_utils
-
-        get_tag = getattr(library_utils, "get_layout_constraint_tag", None)
-        if lowering is None:
-            return None  # not compiling with inductor: nothing to register
-        if all(hasattr(lowering, n) for n in ("lowerings", "make_fallback", "tag_to_layout_constraint")) and get_tag:
-
-            def fallback(op: torch._ops.OpOverload) -> None:
-                if op not in lowering.lowerings:
-                    constraint = lowering.tag_to_layout_constraint(get_tag(op, with_default=True))
-                    lowering.make_fallback(op, layout_constraint=constraint, override_decomp=True)
-
-            return fallback
-    _warn(f"torch {torch.__version__}'s inductor lacks the private API this library's lowering uses ({what})")
-    return None
-
-
-def _opaque(op: torch._ops.OpOverload) -> Any:
+def _opaque(op: OpOverload) -> Any:
     """Keep ``op`` as it is: inductor calls it as an extern kernel, as it would
     without the rewrite (which, being in its decomposition table, it would refuse)."""
-    fallback = _private_api("fallback")
+    try:
+        fallback = _compat.inductor_fallback()
+    except _compat.PrivateAPIMissing as missing:
+        _warn(str(missing))
+        return NotImplemented
     if fallback is not None:
         fallback(op)
     return NotImplemented
@@ -246,10 +204,11 @@ def _register(decomposition: Any) -> bool:
     with _lock:
         if _registered:
             return True
-        api = _private_api("table", decomposition)
-        if api is None:
+        try:
+            table, fast, _ = _compat.inductor_decompositions(decomposition)
+        except _compat.PrivateAPIMissing as missing:
+            _warn(str(missing))
             return False
-        table, fast, _ = api
         from torch_bn_grad import _inductor_act  # the fused batch_norm_act operators' rewrites
 
         ops = {
@@ -268,7 +227,7 @@ def _register(decomposition: Any) -> bool:
 
 def sync_cache_key() -> None:
     """Put the current ``config.compile_lowering`` into inductor's config, which keys the compile caches."""
-    inductor_config = sys.modules.get("torch._inductor.config")
+    inductor_config = _compat.inductor_config()
     if not _registered or inductor_config is None:
         return
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
@@ -323,6 +282,4 @@ def install() -> None:
 
 def ensure_registered() -> bool:
     """Import inductor's decomposition table (seconds) and register; for tests and benchmarks."""
-    import torch._inductor.decomposition as decomposition
-
-    return _register(decomposition)
+    return _register(importlib.import_module(_DECOMPOSITION_MODULE))

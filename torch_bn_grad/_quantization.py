@@ -18,8 +18,8 @@ the torch class of the same name:
 * Standalone quantized BatchNorms (eager ``convert`` and FX lowering) map
   ours to ``torch.ao.nn.quantized.BatchNorm2d/3d`` as torch's are.
 
-These tables are private to torch; :func:`_torch_internals` reaches them in one
-place and raises a clear error naming the torch version when they change. On
+These tables are private to torch; ``_compat.quantization_internals`` reaches
+them in one place (with the other private APIs) and raises a clear error naming the torch version when they change. On
 import, such an error becomes a warning (everything else in the library
 works); ``tests/test_interop_quantization.py`` calls :func:`register` directly.
 """
@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torch_bn_grad import _compat
 from torch_bn_grad import nn as _ours
 
 __all__ = ["register", "as_torch_batchnorm"]
@@ -104,7 +105,7 @@ def _leaf_rule(is_leaf_module: Callable) -> Callable:
     def wrapped(self: Any, m: nn.Module, module_qualified_name: str) -> bool:
         # The rule torch's tracers apply to torch.nn classes: exact types only,
         # as a user's subclass of a torch BatchNorm is not a leaf either.
-        if type(m) in TORCH_CLASS or type(m) is _ours.SyncBatchNorm:
+        if type(m) in TORCH_CLASS or type(m) is _ours.SyncBatchNorm or isinstance(m, _ours._ActForward):
             return True
         return is_leaf_module(self, m, module_qualified_name)
 
@@ -136,49 +137,10 @@ def _set_backend_pattern_config_with_twins(set_backend_pattern_config: Callable)
     return wrapped
 
 
-def _torch_internals() -> dict[str, Any]:
-    """The private torch objects this module extends, checked.
-
-    Raises ``RuntimeError`` naming the torch version and the missing piece
-    when torch's quantization internals are not as expected.
-    """
-    problem = None
-    try:
-        from torch.ao.quantization import fuser_method_mappings, quantization_mappings
-        from torch.ao.quantization.backend_config import BackendConfig, BackendPatternConfig
-        from torch.ao.quantization.fx import _lower_to_native_backend
-        from torch.ao.quantization.fx.tracer import QuantizationTracer
-
-        found = {
-            "fuser_methods": getattr(fuser_method_mappings, "_DEFAULT_OP_LIST_TO_FUSER_METHOD", None),
-            "static_quant_modules": getattr(quantization_mappings, "DEFAULT_STATIC_QUANT_MODULE_MAPPINGS", None),
-            "lower_modules": getattr(_lower_to_native_backend, "SPECIAL_PATTERN_LOWER_MODULE_MAP", None),
-            "BackendConfig": BackendConfig,
-            "QuantizationTracer": QuantizationTracer,
-        }
-        for name in ("fuser_methods", "static_quant_modules", "lower_modules"):
-            if not isinstance(found[name], dict):
-                problem = f"{name} table not found"
-        probe = BackendPatternConfig()
-        if not all(hasattr(probe, a) for a in ("pattern", "_pattern_complex_format", "fuser_method")):
-            problem = "BackendPatternConfig lacks pattern/_pattern_complex_format/fuser_method"
-        if not hasattr(BackendConfig, "set_backend_pattern_config"):
-            problem = "BackendConfig.set_backend_pattern_config not found"
-    except ImportError as error:
-        problem = str(error)
-    if problem is not None:
-        raise RuntimeError(
-            f"torch_bn_grad: torch {torch.__version__}'s quantization internals changed ({problem}); "
-            "fuse_modules, prepare_fx/convert_fx and FX tracing may not recognize torch_bn_grad's "
-            "BatchNorms. Please report this with your torch version."
-        )
-    return found
-
-
 def register() -> None:
     """Make FX and quantization treat this library's BatchNorms as torch's. Idempotent."""
     torch.fx.Tracer.is_leaf_module = _leaf_rule(torch.fx.Tracer.is_leaf_module)  # type: ignore[method-assign]
-    internals = _torch_internals()
+    internals = _compat.quantization_internals()
     tracer = internals["QuantizationTracer"]
     tracer.is_leaf_module = _leaf_rule(tracer.is_leaf_module)
     backend_config = internals["BackendConfig"]
@@ -199,5 +161,5 @@ def register_or_warn() -> None:
     """:func:`register`, turning a changed torch into a warning (the import must not fail)."""
     try:
         register()
-    except RuntimeError as error:
+    except _compat.PrivateAPIMissing as error:
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)

@@ -7,6 +7,23 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from torch_bn_grad import _compat
+
+
+_UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
+
+
+def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
+    """Eager steps with host-known count and momentum take the operator (one call,
+    the same roundings); traced code (torch.compile, export) and torch.func
+    transforms take the tensor arithmetic below, which they see through."""
+    return (
+        type(count) is int
+        and type(momentum) is float
+        and not torch.compiler.is_compiling()
+        and not _compat.is_functorch_wrapped_tensor(mean)
+    )
+
 
 def update_running_stats(
     running_mean: Optional[Tensor],
@@ -24,6 +41,9 @@ def update_running_stats(
     decided on the device without a host synchronization). ``momentum`` may be a
     tensor (the modules' cumulative average), so that it traces without a graph break.
     """
+    if _one_call_applies(count, momentum, mean):
+        _UPDATE_OP(running_mean, running_var, mean.detach(), variance.detach(), count, momentum)
+        return
     # Detached rather than under no_grad (a context costs more than the update on small layers):
     # the buffers never require grad, so nothing is recorded.
     mean, variance = mean.detach(), variance.detach()

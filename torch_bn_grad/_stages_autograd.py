@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import _channels
+from torch_bn_grad._compat import OpOverload
 from torch_bn_grad._autograd_kernel import register_autograd
 
 
@@ -58,7 +59,7 @@ def _grad_input(
     return out.to(src.dtype)
 
 
-def _register(op: torch._ops.OpOverload, reference: Callable[..., Tensor]) -> None:
+def _register(op: OpOverload, reference: Callable[..., Tensor]) -> None:
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.num_inputs = len(inputs)
         ctx.tensor_positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]

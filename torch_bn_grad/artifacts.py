@@ -23,6 +23,7 @@ from typing import IO, Any, Union
 import torch
 
 import torch_bn_grad  # noqa: F401  (registers the operators)
+from torch_bn_grad import _compat
 
 __all__ = ["load", "load_package", "required_operators"]
 
@@ -66,4 +67,4 @@ def load(f: PathOrFile, **kwargs: Any) -> torch.export.ExportedProgram:
 def load_package(path: Union[str, os.PathLike], *args: Any, **kwargs: Any) -> Any:
     """``torch._inductor.aoti_load_package(path, ...)`` with this library's operators registered."""
     _check_available(path)
-    return torch._inductor.aoti_load_package(os.fspath(path), *args, **kwargs)
+    return _compat.aoti_load_package()(os.fspath(path), *args, **kwargs)

@@ -1,282 +1,46 @@
-"""Benchmark: torch_bn_grad against torch's native batch norm, side by side.
+"""``python -m torch_bn_grad.bench [...]``: runs ``benchmarks/ops.py`` of the source tree.
 
-    python -m torch_bn_grad.bench [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
-                                  [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
-                                  [--directions forward,backward,module] [--min-run-time S]
-    python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
-                                  [--modes train,eval] [--executions eager,compile] [--layouts ...]
-                                  [--iters 3] [--rounds 5] [--opaque] [--threads N] [--json FILE]
-
-With ``--model`` it times a whole ResNet (train step and eval, eager and
-compiled) with this library's BatchNorm against torch's, see
-``torch_bn_grad._model_bench``.
-
-For each case it prints the median time of torch's native operator and of
-ours (torch.utils.benchmark, same process, interleaved), the speedup, the
-bandwidth ours achieves and its percentage of the bandwidth bound. The bound
-is the operator's minimal memory traffic (forward: read src, write dst;
-backward: read src and diff_dst, write diff_src; module forward+backward: both)
-divided by the copy bandwidth measured in the same run on tensors of the same
-size, on the same device.
-
-The baseline is ``aten.native_batch_norm`` / ``native_batch_norm_backward``
-for the operator rows and ``torch.nn.BatchNorm*d`` (which takes cuDNN where
-torch picks it) for the module rows. On CUDA, torch.utils.benchmark
-synchronizes the device around each timed block; tensors that fit in the L2
-cache are timed warm, as is the copy that sets the bound. On CPU, run with
-``THP_MEM_ALLOC_ENABLE=1`` to let torch's allocator use huge pages for the
-large outputs.
+The benchmarks live beside ``tests/`` in the repository, not in the installed
+package; this entry finds them next to the package, so it works in a checkout
+and with an editable install (``pip install --no-build-isolation -e .``), and
+says so when the package was installed without its source tree.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
+import importlib
 import sys
-from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
 
-import torch
-from torch.utils import benchmark
-
-import torch_bn_grad
-from torch_bn_grad import _model_bench
-
-RESNET50_SHAPES = [
-    (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
-    (32, 256, 14, 14), (32, 1024, 14, 14), (32, 512, 7, 7), (32, 2048, 7, 7),
-]
-FULL_SHAPES = RESNET50_SHAPES + [(4096, 1024), (4, 32, 32, 64, 64)]
-QUICK_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (32, 2048, 7, 7), (4096, 1024)]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LAYOUTS = ("contiguous", "channels_last")
-DIRECTIONS = ("forward", "backward", "module")
-DEVICES = ("cpu", "cuda")
+SOURCE_ROOT = Path(__file__).resolve().parents[1]  # the checkout, for an editable install
 
 
-@dataclass
-class Result:
-    """One row of the table."""
-
-    shape: tuple
-    device: str
-    dtype: str
-    layout: str
-    direction: str
-    native_ms: float
-    ours_ms: float
-    speedup: float
-    gbps: float
-    bound_pct: float
-
-
-def _median_ms(fn: Callable[[], object], min_run_time: float) -> float:
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
-def device_problem(device: str) -> Optional[str]:
-    """Why the benchmark cannot run on `device`, or None when it can."""
-    if device == "cpu":
-        return None
-    if not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            return f"torch {torch.__version__} is built without CUDA"
-        return f"no CUDA device is visible to torch {torch.__version__} (CUDA {torch.version.cuda})"
-    # A build without a CUDA toolkit registers CPU kernels only; ask the dispatcher.
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("torch_bn_grad::batch_norm_forward", "CUDA"):
-        return ("torch_bn_grad was built without its CUDA kernels (no CUDA toolkit at build time?); "
-                "rebuild it with `pip install --no-build-isolation -e .`")
-    return None
-
-
-def describe_device(device: str) -> str:
-    """The header line: torch's version and what the cases run on."""
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}), "
-                f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB")
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-            f"kernels {torch_bn_grad.cpu_kernel_isa()}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
-
-
-def _short_device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} threads"
-
-
-def copy_bandwidth(numel: int, dtype: torch.dtype, min_run_time: float, device: str = "cpu") -> float:
-    """Bytes per second of a copy between two tensors of `numel` elements on `device`."""
-    src = torch.randn(numel, device=device).to(dtype)
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), min_run_time)
-    return 2 * src.nbytes / (ms * 1e-3)
-
-
-def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "contiguous" or t.dim() < 4:
-        return t.contiguous()
-    return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
-
-
-def _module_class(dim: int) -> type:
-    return {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[dim]
-
-
-def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str, device: str = "cpu"):
-    """(native, ours, traffic in bytes) for one case on `device`: two callables
-    and the operator's minimal memory traffic."""
-    g = torch.Generator(device=device).manual_seed(0)
-    c = shape[1]
-    x = _layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
-    dy = _layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
-    w = torch.rand(c, generator=g, device=device) + 0.5
-    b = torch.randn(c, generator=g, device=device)
-    nbytes = x.nbytes
-    if direction == "forward":
-        native = lambda: torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)  # noqa: E731
-        ours = lambda: torch_bn_grad.batch_norm_forward(x, w, b)  # noqa: E731
-        return native, ours, 2 * nbytes
-    if direction == "backward":
-        _, save_mean, save_invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
-        mean, var = save_mean, (1.0 / save_invstd.double() ** 2 - 1e-5).float()
-        mask = [True, True, True]
-        native = lambda: torch.ops.aten.native_batch_norm_backward(  # noqa: E731
-            dy, x, w, None, None, save_mean, save_invstd, True, 1e-5, mask)
-        ours = lambda: torch_bn_grad.batch_norm_backward(x, dy, mean, var, w)  # noqa: E731
-        return native, ours, 3 * nbytes
-    ref_module = _module_class(len(shape))(c).to(device, dtype)
-    our_module = torch_bn_grad.convert_batchnorm(_module_class(len(shape))(c).to(device, dtype))
-    xg = x.detach().requires_grad_()
-
-    def step(module):
-        wrt = [xg, *module.parameters()]
-        return lambda: torch.autograd.grad(module(xg), wrt, dy)  # no .grad accumulation
-
-    # forward: read x, write y; backward: read x and dy, write dx
-    return step(ref_module), step(our_module), 5 * nbytes
-
-
-def run(shapes, dtypes, layouts, directions, min_run_time: float, device: str = "cpu", log=print) -> list[Result]:
-    """Measure every case on `device`; prints a row as each finishes."""
-    results = []
-    log(f"{'shape':>22} {'dtype':>8} {'layout':>13} {'direction':>9} {'native ms':>10} {'ours ms':>9} "
-        f"{'speedup':>8} {'GB/s':>7} {'% bound':>8}")
-    bandwidth: dict = {}
-    for shape in shapes:
-        for dtype_name in dtypes:
-            dtype = DTYPES[dtype_name]
-            numel = 1
-            for s in shape:
-                numel *= s
-            if (numel, dtype) not in bandwidth:
-                bandwidth[(numel, dtype)] = copy_bandwidth(numel, dtype, min_run_time, device)
-            bw = bandwidth[(numel, dtype)]
-            for layout in layouts:
-                if layout == "channels_last" and len(shape) < 4:
-                    continue
-                for direction in directions:
-                    native, ours, traffic = make_case(shape, dtype, layout, direction, device)
-                    native(), ours()  # warm-up
-                    native_ms = _median_ms(native, min_run_time)
-                    ours_ms = _median_ms(ours, min_run_time)
-                    native_ms = min(native_ms, _median_ms(native, min_run_time))
-                    gbps = traffic / (ours_ms * 1e-3) / 1e9
-                    r = Result(tuple(shape), device, dtype_name, layout, direction, round(native_ms, 4),
-                               round(ours_ms, 4), round(native_ms / ours_ms, 3), round(gbps, 2),
-                               round(100 * gbps * 1e9 / bw, 1))
-                    results.append(r)
-                    log(f"{str(r.shape):>22} {r.dtype:>8} {r.layout:>13} {r.direction:>9} {r.native_ms:>10.3f} "
-                        f"{r.ours_ms:>9.3f} {r.speedup:>7.2f}x {r.gbps:>7.1f} {r.bound_pct:>7.1f}%")
-    return results
-
-
-def plot(results: list[Result], path: str, device: str = "cpu") -> None:
-    """Speedup per case on a log axis (needs matplotlib): one labelled marker per
-    case, colour by direction, shape by dtype, a line at 1.0x; cases slower
-    than native have a red outline and a red label so they stand out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    labels = [f"{'x'.join(map(str, r.shape))} {r.dtype} {r.layout} {r.direction}" for r in results]
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green"}
-    markers = {"float32": "o", "bfloat16": "s", "float16": "D", "float64": "^"}
-    fig, ax = plt.subplots(figsize=(9, max(3.0, 0.24 * len(results) + 1.2)))
-    for i, r in enumerate(results):
-        slow = r.speedup < 1
-        ax.plot(r.speedup, i, linestyle="none", marker=markers.get(r.dtype, "o"), markersize=6,
-                color=colors.get(r.direction, "tab:gray"), markeredgecolor="tab:red" if slow else None,
-                markeredgewidth=2.0 if slow else 1.0)
-        ax.annotate(f"{r.speedup:.2f}x", (r.speedup, i), xytext=(6, 0), textcoords="offset points",
-                    va="center", fontsize=6, color="tab:red" if slow else "black")
-    ax.axvline(1.0, color="black", linewidth=1.0)
-    ax.set_xscale("log")
-    speedups = [r.speedup for r in results] or [1.0]
-    ax.set_xlim(min(min(speedups), 1.0) / 1.3, max(max(speedups), 1.0) * 1.5)
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.grid(axis="x", which="both", alpha=0.3)
-    ax.set_yticks(range(len(results)), labels, fontsize=6)
-    for tick, r in zip(ax.get_yticklabels(), results):
-        if r.speedup < 1:
-            tick.set_color("tab:red")
-    ax.set_ylim(len(results) - 0.5, -0.5)
-    ax.set_xlabel("speedup over torch native (ratio of median times, log scale; left of 1.0x: slower)")
-    ax.set_title(f"torch_bn_grad vs torch {torch.__version__} ({_short_device_name(device)})")
-    handles = [Line2D([], [], linestyle="none", marker="o", color=c, label=d) for d, c in colors.items()
-               if any(r.direction == d for r in results)]
-    handles += [Line2D([], [], linestyle="none", marker=m, color="gray", label=t) for t, m in markers.items()
-                if any(r.dtype == t for r in results)]
-    handles.append(Line2D([], [], linestyle="none", marker="o", color="white", markeredgecolor="tab:red",
-                          markeredgewidth=2.0, label="slower than native (red)"))
-    handles.append(Line2D([], [], color="black", label="1.0x (same as native)"))
-    ax.legend(handles=handles, fontsize=7, loc="lower right", framealpha=0.9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+def load(name: str = "ops") -> ModuleType:
+    """The module ``benchmarks/<name>.py`` of the source tree this package was imported from."""
+    path = SOURCE_ROOT / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        raise RuntimeError(
+            f"python -m torch_bn_grad.bench runs the benchmarks of torch_bn_grad's source tree, but "
+            f"{Path(__file__).parent} was installed without it (no {path}); install from a checkout with "
+            f"`pip install --no-build-isolation -e .`, or run `python benchmarks/ops.py` in one")
+    if str(SOURCE_ROOT) not in sys.path:
+        sys.path.insert(0, str(SOURCE_ROOT))
+    module = importlib.import_module(f"benchmarks.{name}")
+    if Path(module.__file__).resolve() != path.resolve():
+        raise RuntimeError(f"`benchmarks.{name}` resolves to {module.__file__}, not {path}: "
+                           "another package named `benchmarks` shadows the source tree's")
+    return module
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m torch_bn_grad.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the cases run (default: cpu)")
-    parser.add_argument("--full", action="store_true", help="every ResNet-50 shape plus the 1-D and 3-D cases")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--directions", default=",".join(DIRECTIONS))
-    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
-    _model_bench.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.model:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        _model_bench.main(args)
-        return
-    problem = device_problem(args.device)
-    if problem:
-        parser.error(f"--device {args.device}: {problem}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(describe_device(args.device))
-    results = run(FULL_SHAPES if args.full else QUICK_SHAPES, args.dtypes.split(","), args.layouts.split(","),
-                  args.directions.split(","), args.min_run_time, args.device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
-    if args.plot:
-        plot(results, args.plot, args.device)
-    slower = [r for r in results if r.speedup < 1]
-    print(f"{len(results)} cases, median speedup "
-          f"{sorted(r.speedup for r in results)[len(results) // 2]:.2f}x, {len(slower)} slower than native")
+    """Command-line entry point: ``benchmarks.ops.main(argv)``."""
+    try:
+        ops = load("ops")
+    except RuntimeError as error:
+        sys.exit(f"error: {error}")
+    ops.main(argv)
 
 
 if __name__ == "__main__":

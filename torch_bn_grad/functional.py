@@ -127,7 +127,8 @@ def batch_norm_act(
     backward is then not available.
     """
     return _batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum, eps,
-                           residual, activation, negative_slope, memory_saving)
+                           residual=residual, activation=activation, negative_slope=negative_slope,
+                           memory_saving=memory_saving)
 
 
 def _batch_norm_act(
@@ -139,6 +140,7 @@ def _batch_norm_act(
     training: bool,
     momentum: Union[float, Tensor],
     eps: float,
+    *,
     residual: Optional[Tensor] = None,
     activation: str = "relu",
     negative_slope: float = 0.01,

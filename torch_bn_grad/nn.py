@@ -9,11 +9,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_bn_grad import _script
+from torch_bn_grad import _activation, _compat, _script
 from torch_bn_grad.distributed import sync_batch_norm
-from torch_bn_grad.functional import _batch_norm
+from torch_bn_grad.functional import _batch_norm, _batch_norm_act
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "convert_batchnorm"]
+__all__ = [
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+    "BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d", "SyncBatchNormAct",
+    "convert_batchnorm",
+]
 
 
 class _FusedForward:
@@ -28,8 +32,13 @@ class _FusedForward:
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
             )
-        if torch.onnx.is_in_onnx_export():  # the exporters translate torch's batch norm (see _onnx.py)
+        if _compat.in_onnx_export():  # the exporters translate torch's batch norm (see _onnx.py)
             return _BatchNorm.forward(self, input)
+        return self._normalize(input, *self._statistics())
+
+    def _statistics(self) -> tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]:
+        """What ``_BatchNorm.forward`` normalizes with, counting this batch in
+        ``num_batches_tracked``: (running_mean, running_var, use_batch_stats, momentum factor)."""
         factor: Union[float, Tensor] = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -38,13 +47,8 @@ class _FusedForward:
                 factor = 1.0 / self.num_batches_tracked.double()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
-        return self._normalize(
-            input,
-            self.running_mean if keep_running else None,
-            self.running_var if keep_running else None,
-            use_batch_stats,
-            factor,
-        )
+        return (self.running_mean if keep_running else None, self.running_var if keep_running else None,
+                use_batch_stats, factor)
 
     def _normalize(
         self,
@@ -139,12 +143,155 @@ class SyncBatchNorm(_FusedForward, _BatchNorm):
         return convert_batchnorm(module, sync=True, process_group=process_group)
 
 
+class _ActForward(_FusedForward):
+    """The forward of the fused modules: ``activation(batch_norm(input) + residual)``
+    with ``_BatchNorm``'s choice of statistics (shared with :class:`_FusedForward`),
+    through :func:`torch_bn_grad.functional.batch_norm_act`."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        bias: bool = True,
+        activation: str = "relu",
+        negative_slope: float = 0.01,
+        memory_saving: bool = False,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self._set_activation(activation, negative_slope, memory_saving)
+
+    def _set_activation(self, activation: str, negative_slope: float, memory_saving: bool) -> None:
+        _activation.check(activation, negative_slope, memory_saving, type(self).__name__)
+        self.activation = activation
+        self.negative_slope = float(negative_slope)
+        self.memory_saving = bool(memory_saving)
+
+    def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+        self._check_input_dim(input)
+        if torch.jit.is_scripting():  # a compile-time constant, as in _FusedForward.forward
+            y = _script.module_forward(
+                input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
+                self.training, self.track_running_stats, self.momentum, self.eps,
+            )
+            if residual is not None:
+                y = y + residual
+            return _activation.activate(y, self.activation, self.negative_slope)
+        if torch.onnx.is_in_onnx_export():  # torch's batch norm for the exporters, then the add and activation
+            y = _BatchNorm.forward(self, input)
+            if residual is not None:
+                y = y + residual
+            return _activation.activate(y, self.activation, self.negative_slope)
+        return self._normalize_act(input, residual, *self._statistics())
+
+    def _normalize_act(
+        self,
+        input: Tensor,
+        residual: Optional[Tensor],
+        running_mean: Optional[Tensor],
+        running_var: Optional[Tensor],
+        use_batch_stats: bool,
+        momentum: Union[float, Tensor],
+    ) -> Tensor:
+        if residual is not None and not (
+            residual.shape == input.shape and residual.dtype == input.dtype and residual.device == input.device
+        ):
+            # A broadcast or type-promoting residual: as torch would compute it, unfused.
+            y = self._normalize(input, running_mean, running_var, use_batch_stats, momentum)
+            return _activation.activate(y + residual, self.activation, self.negative_slope)
+        return _batch_norm_act(
+            input, running_mean, running_var, self.weight, self.bias, use_batch_stats, momentum, self.eps,
+            residual=residual, activation=self.activation, negative_slope=self.negative_slope,
+            memory_saving=self.memory_saving,
+        )
+
+    def extra_repr(self) -> str:
+        text = f"{super().extra_repr()}, activation={self.activation!r}"
+        if self.activation == "leaky_relu":
+            text += f", negative_slope={self.negative_slope}"
+        if self.memory_saving:
+            text += ", memory_saving=True"
+        return text
+
+
+class BatchNormAct1d(_ActForward, torch.nn.BatchNorm1d):
+    """``activation(BatchNorm1d(input) + residual)`` in one operator; torch's
+    ``BatchNorm1d`` state_dict, constructor (plus ``activation``,
+    ``negative_slope``, ``memory_saving``) and train/eval behaviour."""
+
+
+class BatchNormAct2d(_ActForward, torch.nn.BatchNorm2d):
+    """``activation(BatchNorm2d(input) + residual)`` in one operator; torch's
+    ``BatchNorm2d`` state_dict, constructor (plus ``activation``,
+    ``negative_slope``, ``memory_saving``) and train/eval behaviour."""
+
+
+class BatchNormAct3d(_ActForward, torch.nn.BatchNorm3d):
+    """``activation(BatchNorm3d(input) + residual)`` in one operator; torch's
+    ``BatchNorm3d`` state_dict, constructor (plus ``activation``,
+    ``negative_slope``, ``memory_saving``) and train/eval behaviour."""
+
+
+class SyncBatchNormAct(_ActForward, SyncBatchNorm):
+    """:class:`SyncBatchNorm` followed by the residual add and the activation.
+
+    With whole-group statistics (training, a process group of more than one
+    process), the normalization is :class:`SyncBatchNorm`'s and the add and
+    activation are composed after it (torch operations, so ``memory_saving``
+    saves nothing there); otherwise (eval, no group) it is the fused local
+    operator, as :class:`BatchNormAct2d`."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        bias: bool = True,
+        activation: str = "relu",
+        negative_slope: float = 0.01,
+        memory_saving: bool = False,
+    ) -> None:
+        SyncBatchNorm.__init__(self, num_features, eps, momentum, affine, track_running_stats, process_group,
+                               device, dtype, bias=bias)
+        self._set_activation(activation, negative_slope, memory_saving)
+
+    def _normalize_act(
+        self,
+        input: Tensor,
+        residual: Optional[Tensor],
+        running_mean: Optional[Tensor],
+        running_var: Optional[Tensor],
+        use_batch_stats: bool,
+        momentum: Union[float, Tensor],
+    ) -> Tensor:
+        if not (self.training and self._sync_group() is not None):
+            return super()._normalize_act(input, residual, running_mean, running_var, use_batch_stats, momentum)
+        y = self._normalize(input, running_mean, running_var, use_batch_stats, momentum)
+        if residual is not None:
+            y = y + residual
+        return _activation.activate(y, self.activation, self.negative_slope)
+
+
 def convert_batchnorm(
     module: torch.nn.Module,
     *,
     sync: bool = False,
     process_group: Optional[dist.ProcessGroup] = None,
     subclasses: bool = False,
+    fuse: bool = False,
+    memory_saving: bool = False,
 ) -> torch.nn.Module:
     """Replace every torch ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` with this library's.
 
@@ -161,7 +308,27 @@ def convert_batchnorm(
     ``requires_grad``, device, dtype, attributes and hooks; children are
     replaced in place and the root is returned (or its replacement, if the root
     itself is a BatchNorm). Converting twice changes nothing.
+
+    With ``fuse=True`` it also fuses each BatchNorm with the activation after
+    it (``ReLU``/``LeakyReLU``/``SiLU`` modules, ``F.relu``/``F.leaky_relu``/
+    ``F.silu``/``torch.relu`` calls), and with a residual ``+`` between them,
+    into :class:`BatchNormAct2d` (1d/3d, :class:`SyncBatchNormAct`), found by
+    ``torch.fx`` symbolic tracing (see :mod:`torch_bn_grad._fuse`), and
+    converts timm's ``BatchNormAct2d`` (fused where its act allows). Pairs
+    inside an ``nn.Sequential`` are fused in place (the activation becomes an
+    ``nn.Identity``) and the model keeps its class; other patterns make the
+    returned model a ``torch.fx.GraphModule`` with the same state_dict. Use the
+    returned model. What is not fused stays converted, unfused, named in a
+    ``UserWarning``. ``memory_saving=True`` (with ``fuse``) sets
+    ``memory_saving`` on the fused modules whose activation allows it
+    (identity, leaky_relu with a positive slope).
     """
+    if memory_saving and not fuse:
+        raise ValueError("convert_batchnorm: memory_saving=True needs fuse=True")
+    if fuse:
+        from torch_bn_grad._fuse import fuse as fuse_model
+
+        return fuse_model(module, sync, process_group, subclasses, memory_saving)
     from torch_bn_grad._convert import convert
 
     return convert(module, sync, process_group, subclasses)

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <limits>
 
 #include "batch_norm_args.h"
@@ -15,6 +16,15 @@ namespace {
 
 at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like) {
   return at::empty({plan.channels}, like.options().dtype(at::kDouble));
+}
+
+// A contiguous copy of a small per-channel tensor: a plain memcpy where it
+// can be (clone's dispatch costs more than copying a few channels).
+at::Tensor contiguous_copy(const at::Tensor& t) {
+  if (!t.is_contiguous()) return t.clone(at::MemoryFormat::Contiguous);
+  at::Tensor copy = at::empty(t.sizes(), t.options());
+  std::memcpy(copy.mutable_data_ptr(), t.const_data_ptr(), t.nbytes());
+  return copy;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
@@ -35,8 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
                                     beta_d, epsilon);
       finish_kernel_output(out, plan);
     }
-    return {out.result, mean->clone(at::MemoryFormat::Contiguous),
-            variance->clone(at::MemoryFormat::Contiguous)};
+    return {out.result, contiguous_copy(*mean), contiguous_copy(*variance)};
   }
 
   at::Tensor mean_d = channel_vector(plan, src);
@@ -60,8 +69,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
   const auto stats_dtype = mean.scalar_type();
-  at::Tensor diff_gamma_d = output_mask[1] ? at::zeros({plan.channels}, src.options().dtype(at::kDouble)) : at::Tensor();
-  at::Tensor diff_beta_d = output_mask[2] ? at::zeros({plan.channels}, src.options().dtype(at::kDouble)) : at::Tensor();
+  // The kernel writes every channel; only an empty src leaves the sums at zero.
+  const auto channel_sums = [&](bool wanted) {
+    if (!wanted) return at::Tensor();
+    at::Tensor v = channel_vector(plan, src);
+    if (src.numel() == 0) v.zero_();
+    return v;
+  };
+  at::Tensor diff_gamma_d = channel_sums(output_mask[1]);
+  at::Tensor diff_beta_d = channel_sums(output_mask[2]);
   KernelOutput out;
   if (output_mask[0]) out = make_kernel_output(src, plan, output_allocator());
 

@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cuda(
       args.channels = e.channels;
       args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
                      bias.mutable_data_ptr<A>()};
-      Partials<Moments<A>> partials;  // alive until the kernels are queued
+      Partials<Moments<double>> partials;  // alive until the kernels are queued
       at::Tensor mean_d, var_d;
       if (batch_statistics) {
         args.variance_out = var_k.mutable_data_ptr<A>();
@@ -190,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
       const A slope = static_cast<A>(negative_slope);
 
       auto run = [&](const auto& ep) {
-        Partials<GradSums<A>> partials;  // alive until the kernels are queued
+        Partials<GradSums<double>> partials;  // alive until the kernels are queued
         if (need_sums && M > 0) {
           partials = grad_sum_partials<scalar_t>(x, dy, centre_k, e, ep);
           args.partials = partials.data;

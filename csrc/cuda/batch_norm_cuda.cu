@@ -57,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
         args.variance_out = var_k.mutable_data_ptr<A>();
         if (persistent_forward<scalar_t>(x, out.buffer, e, args)) return;
       }
-      Partials<Moments<A>> partials;  // these stay alive until the kernels are queued
+      Partials<Moments<double>> partials;  // these stay alive until the kernels are queued
       at::Tensor mean_d, var_d;
       if (batch_statistics) {
         partials = moment_partials<scalar_t>(x, e);
@@ -138,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
       }
       if (dg.defined()) args.diff_gamma = dg.mutable_data_ptr<double>();
       if (db.defined()) args.diff_beta = db.mutable_data_ptr<double>();
-      Partials<GradSums<A>> partials;  // alive until the kernels are queued
+      Partials<GradSums<double>> partials;  // alive until the kernels are queued
       if (need_sums && M > 0) {
         scalar_t* dst = need_diff_src ? out.buffer.mutable_data_ptr<scalar_t>() : nullptr;
         if (persistent_backward<scalar_t>(x, dy, mean_k, dst, e, args)) return;

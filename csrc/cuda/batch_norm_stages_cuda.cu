@@ -30,7 +30,7 @@ at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view d
   const at::Tensor x = to_kernel_layout(src, plan);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_local_stats_cuda", [&] {
     using A = Acc<scalar_t>;
-    const Partials<Moments<A>> partials = moment_partials<scalar_t>(x, e);
+    const Partials<Moments<double>> partials = moment_partials<scalar_t>(x, e);
     stats_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
         partials.data, partials.per_channel, e.channels, rows.mutable_data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -53,7 +53,7 @@ at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& di
   const at::Tensor centre = mean_d.to(accumulate_type(src.scalar_type()));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_sums_cuda", [&] {
     using A = Acc<scalar_t>;
-    const Partials<GradSums<A>> partials = grad_sum_partials<scalar_t>(x, dy, centre, e);
+    const Partials<GradSums<double>> partials = grad_sum_partials<scalar_t>(x, dy, centre, e);
     grad_sums_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
         partials.data, partials.per_channel, mean_d.const_data_ptr<double>(), centre.const_data_ptr<A>(),
         e.channels, rows.mutable_data_ptr<double>());

@@ -26,6 +26,21 @@ __device__ __forceinline__ GradSums<A> shfl_down(const GradSums<A>& s, int offse
   return {__shfl_down_sync(kFullMask, s.sum_dy, offset), __shfl_down_sync(kFullMask, s.sum_dy_xc, offset)};
 }
 
+template <typename A>
+__device__ __forceinline__ ExactSum<A> shfl_down(const ExactSum<A>& s, int offset) {
+  return {__shfl_down_sync(kFullMask, s.sum, offset), __shfl_down_sync(kFullMask, s.err, offset)};
+}
+
+template <typename A>
+__device__ __forceinline__ ShiftedSums<A> shfl_down(const ShiftedSums<A>& s, int offset) {
+  return {__shfl_down_sync(kFullMask, s.count, offset), shfl_down(s.d, offset), shfl_down(s.d2, offset)};
+}
+
+template <typename A>
+__device__ __forceinline__ ExactGradSums<A> shfl_down(const ExactGradSums<A>& s, int offset) {
+  return {shfl_down(s.dy, offset), shfl_down(s.dy_xc, offset)};
+}
+
 template <typename S>
 __device__ __forceinline__ S warp_reduce(S s) {
 #pragma unroll
@@ -71,8 +86,8 @@ __device__ __forceinline__ int64_t warp_channel() {
 }
 
 // Lane l of a channel's warp merges partials l, l + 32, ... of that channel in
-// float64 (the partials' counts and sums converted), then the lanes are merged
-// in a fixed tree; the result is valid in lane 0.
+// float64 (Chan's formula for moments), then the lanes are merged in a fixed
+// tree; the result is valid in lane 0.
 template <typename S>
 __device__ __forceinline__ Moments<double> merge_channel(const Moments<S>* partials, int64_t per_channel,
                                                          int64_t k, int lane) {

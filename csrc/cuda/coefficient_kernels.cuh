@@ -33,7 +33,7 @@ struct AffineOutputs {
 template <typename A>
 struct ForwardCoefficientArgs {
   // Batch statistics: `per_channel` partials per channel. Null when frozen.
-  const Moments<A>* partials;
+  const Moments<double>* partials;
   int64_t per_channel;
   // Frozen statistics (unused with partials).
   const double* mean;
@@ -79,7 +79,7 @@ template <typename A>
 struct BackwardCoefficientArgs {
   // `per_channel` partials per channel; null when the sums are not needed or
   // the batch is empty (the sums are then 0).
-  const GradSums<A>* partials;
+  const GradSums<double>* partials;
   int64_t per_channel;
   // The given mean, which the sums are taken about and the elementwise pass
   // subtracts. Its dtype is at most as precise as A, so it is the exact mean:
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(Backwar
 // rows (3, channels): count, mean and m2 of each channel, from its partials.
 template <typename A>
 __global__ void __launch_bounds__(kThreads)
-    stats_rows_kernel(const Moments<A>* partials, int64_t per_channel, int64_t channels, double* rows) {
+    stats_rows_kernel(const Moments<double>* partials, int64_t per_channel, int64_t channels, double* rows) {
   const int64_t k = warp_channel();
   if (k >= channels) return;  // whole warps
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
 // `mean`.
 template <typename A>
 __global__ void __launch_bounds__(kThreads)
-    grad_sums_rows_kernel(const GradSums<A>* partials, int64_t per_channel, const double* mean, const A* centre,
+    grad_sums_rows_kernel(const GradSums<double>* partials, int64_t per_channel, const double* mean, const A* centre,
                           int64_t channels, double* rows) {
   const int64_t k = warp_channel();
   if (k >= channels) return;  // whole warps

@@ -87,9 +87,9 @@ struct Partials {
 };
 
 template <typename T>
-Partials<Moments<Acc<T>>> moment_partials(const at::Tensor& x, const Extent& e) {
+Partials<Moments<double>> moment_partials(const at::Tensor& x, const Extent& e) {
   const T* xp = x.const_data_ptr<T>();
-  Partials<Moments<Acc<T>>> p;
+  Partials<Moments<double>> p;
   launch_partitioned<T>(
       e, {xp},
       [&](const PlaneLaunch& l, auto n) {
@@ -104,12 +104,12 @@ Partials<Moments<Acc<T>>> moment_partials(const at::Tensor& x, const Extent& e) 
 }
 
 template <typename T, typename E = PlainEpilogue>
-Partials<GradSums<Acc<T>>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy,
+Partials<GradSums<double>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy,
                                              const at::Tensor& mean, const Extent& e, const E& ep = E{}) {
   const T* xp = x.const_data_ptr<T>();
   const T* dp = dy.const_data_ptr<T>();
   const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
-  Partials<GradSums<Acc<T>>> p;
+  Partials<GradSums<double>> p;
   launch_partitioned<T>(
       e, {xp, dp},
       [&](const PlaneLaunch& l, auto n) {

@@ -30,14 +30,18 @@ __global__ void __launch_bounds__(kThreads)
                                     ForwardCoefficientArgs<at::opmath_type<T>> a) {
   using A = at::opmath_type<T>;
   constexpr int R = kPersistentItems<T> / N;
-  __shared__ Moments<A> shared[kThreads / kWarp];
+  __shared__ ShiftedSums<A> shared[kThreads / kWarp];
   const int64_t k = blockIdx.x;
-  A xs[R][N];
+  A xs[R][N], centre[N];
   LaneMoments<A, N> lanes{};
   for_each_held<R>(h, [&](int r, int64_t v) { load<N>(x + v * N, xs[r]); });
-  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r]); });
-  const Moments<A> m = block_reduce(fold(lanes), shared);
-  if (threadIdx.x == 0) store_forward_coefficients(a, k, m.mean, math::variance_of(m));
+  centre_all(x + k * static_cast<int64_t>(h.inner) * N, centre);
+  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r], centre); });
+  const ShiftedSums<A> s = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0) {
+    const Moments<double> m = partial_of(s, centre[0]);
+    store_forward_coefficients(a, k, m.mean, math::variance_of(m));
+  }
   __syncthreads();
   const A mean = a.affine.mean[k], x_scale = a.affine.x_scale[k], bias = a.affine.bias[k];
   for_each_held<R>(h, [&](int r, int64_t v) {
@@ -57,17 +61,18 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ LaneMoments<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
   const bool owner = column < h.columns;
-  A xs[R][N];
+  A xs[R][N], centre[N] = {};
   LaneMoments<A, N> lanes{};
   if (owner) {
     for_each_held<R>(h, column, [&](int r, int64_t v) { load<N>(x + v * N, xs[r]); });
-    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r]); });
+    load<N>(x + column * N, centre);  // row 0 of the thread's channels
+    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r], centre); });
   }
   column_reduce(lanes, shared);
   if (owner && threadIdx.y == 0) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const Moments<A> m = lane(lanes, j);
+      const Moments<double> m = partial_of(lane(lanes, j), centre[j]);
       store_forward_coefficients(a, column * N + j, m.mean, math::variance_of(m));
     }
   }
@@ -93,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
                                      PersistentPlane h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
   using A = at::opmath_type<T>;
   constexpr int R = kPersistentItems<T> / N;
-  __shared__ GradSums<A> shared[kThreads / kWarp];
+  __shared__ ExactGradSums<A> shared[kThreads / kWarp];
   const int64_t k = blockIdx.x;
   A m[N];
 #pragma unroll
@@ -105,8 +110,8 @@ __global__ void __launch_bounds__(kThreads)
     load<N>(dy + v * N, ds[r]);
   });
   for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
-  const GradSums<A> s = block_reduce(fold(lanes), shared);
-  if (threadIdx.x == 0) store_backward_coefficients(p, k, GradSums<double>{s.sum_dy, s.sum_dy_xc});
+  const ExactGradSums<A> s = block_reduce(fold(lanes), shared);
+  if (threadIdx.x == 0) store_backward_coefficients(p, k, partial_of(s));
   if (out == nullptr) return;
   __syncthreads();
   const A dy_scale = p.affine.dy_scale[k], x_scale = p.affine.x_scale[k], bias = p.affine.bias[k];
@@ -142,8 +147,7 @@ __global__ void __launch_bounds__(kThreads)
   if (owner && threadIdx.y == 0) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const GradSums<A> s = lane(lanes, j);
-      store_backward_coefficients(p, column * N + j, GradSums<double>{s.sum_dy, s.sum_dy_xc});
+      store_backward_coefficients(p, column * N + j, partial_of(lane(lanes, j)));
     }
   }
   if (out == nullptr) return;

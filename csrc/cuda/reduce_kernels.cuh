@@ -4,8 +4,9 @@
 // second stage (coefficient_kernels.cuh) merges each channel's partials.
 // The gradient sums take an epilogue (epilogue.cuh): the fused activation's dz.
 //
-// Partials are stored so that each channel's are contiguous: planes at
-// k * splits + s, columns at (k * inner + i) * row_splits + r.
+// Partials are float64 (thread_states.cuh's partial_of) and stored so that
+// each channel's are contiguous: planes at k * splits + s, columns at
+// (k * inner + i) * row_splits + r.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -22,40 +23,44 @@ namespace torch_bn_grad::cuda {
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    plane_moments_kernel(const T* __restrict__ x, PlaneGrid g, Moments<at::opmath_type<T>>* partials) {
+    plane_moments_kernel(const T* __restrict__ x, PlaneGrid g, Moments<double>* partials) {
   using A = at::opmath_type<T>;
-  __shared__ Moments<A> shared[kThreads / kWarp];
+  __shared__ ShiftedSums<A> shared[kThreads / kWarp];
+  A centre[N];
+  centre_all(x + static_cast<int64_t>(blockIdx.x) * g.inner * N, centre);
   LaneMoments<A, N> lanes{};
   for_each_in_split(g, [&](int64_t v) {
     A xv[N];
     load<N>(x + v * N, xv);
-    add(lanes, xv);
+    add(lanes, xv, centre);
   });
-  const Moments<A> m = block_reduce(fold(lanes), shared);
+  const ShiftedSums<A> m = block_reduce(fold(lanes), shared);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    partials[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = m;
+    partials[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = partial_of(m, centre[0]);
   }
 }
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    column_moments_kernel(const T* __restrict__ x, ColumnGrid g, Moments<at::opmath_type<T>>* partials) {
+    column_moments_kernel(const T* __restrict__ x, ColumnGrid g, Moments<double>* partials) {
   using A = at::opmath_type<T>;
   __shared__ LaneMoments<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
+  A centre[N] = {};
   LaneMoments<A, N> lanes{};
   if (column < g.columns) {
+    load<N>(x + column * N, centre);  // row 0 of the thread's columns
     for_each_row(g, column, [&](int64_t v) {
       A xv[N];
       load<N>(x + v * N, xv);
-      add(lanes, xv);
+      add(lanes, xv, centre);
     });
   }
   column_reduce(lanes, shared);
   if (threadIdx.y == 0 && column < g.columns) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      partials[(column * N + j) * gridDim.y + blockIdx.y] = lane(lanes, j);
+      partials[(column * N + j) * gridDim.y + blockIdx.y] = partial_of(lane(lanes, j), centre[j]);
     }
   }
 }
@@ -64,9 +69,9 @@ template <typename T, int N, typename E>
 __global__ void __launch_bounds__(kThreads)
     plane_grad_sums_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                            const at::opmath_type<T>* __restrict__ mean, PlaneGrid g,
-                           GradSums<at::opmath_type<T>>* partials, E ep) {
+                           GradSums<double>* partials, E ep) {
   using A = at::opmath_type<T>;
-  __shared__ GradSums<A> shared[kThreads / kWarp];
+  __shared__ ExactGradSums<A> shared[kThreads / kWarp];
   A m[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) m[j] = mean[blockIdx.x];
@@ -79,9 +84,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < N; ++j) ep.apply(v * N + j, blockIdx.x, xv[j], dv[j]);
     add(lanes, xv, dv, m);
   });
-  const GradSums<A> s = block_reduce(fold(lanes), shared);
+  const ExactGradSums<A> s = block_reduce(fold(lanes), shared);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    partials[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = s;
+    partials[static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y] = partial_of(s);
   }
 }
 
@@ -89,7 +94,7 @@ template <typename T, int N, typename E>
 __global__ void __launch_bounds__(kThreads)
     column_grad_sums_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                             const at::opmath_type<T>* __restrict__ mean, ColumnGrid g,
-                            GradSums<at::opmath_type<T>>* partials, E ep) {
+                            GradSums<double>* partials, E ep) {
   using A = at::opmath_type<T>;
   __shared__ LaneGradSums<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.y == 0 && column < g.columns) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      partials[(column * N + j) * gridDim.y + blockIdx.y] = lane(lanes, j);
+      partials[(column * N + j) * gridDim.y + blockIdx.y] = partial_of(lane(lanes, j));
     }
   }
 }

@@ -11,7 +11,9 @@ next variant), and reports the median
 iteration time of each and the ratio native / ours (above 1: ours is faster).
 With ``--opaque``, compiled cases also time ours with
 ``torch_bn_grad.config.compile_lowering`` off (the operators opaque to
-inductor), as a third variant in the same rounds.
+inductor), as a third variant in the same rounds. With ``--fuse``, every case
+also times ours converted with ``convert_batchnorm(fuse=True)`` (BatchNorm +
+activation, and + residual add, fused) as a further variant in the same rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Callable, Optional
 import torch
 
 import torch_bn_grad
-from torch_bn_grad import _models, config
+from benchmarks import resnets as _models
+from torch_bn_grad import _compat, config
 
 MODES = ("train", "eval")
 LAYOUTS = ("contiguous", "channels_last")
@@ -48,6 +51,8 @@ class ModelResult:
     speedup: float
     opaque_ms: Optional[float] = None
     opaque_speedup: Optional[float] = None
+    fused_ms: Optional[float] = None
+    fused_speedup: Optional[float] = None
 
 
 def _opaque_inductor(gm, example_inputs):
@@ -55,8 +60,7 @@ def _opaque_inductor(gm, example_inputs):
 
     A backend of its own also keeps dynamo from reusing a graph compiled for
     another variant of the same model class."""
-    from torch._inductor.compile_fx import compile_fx
-
+    compile_fx = _compat.inductor_compile_fx()
     previous = config.compile_lowering
     config.compile_lowering = False
     try:
@@ -90,7 +94,8 @@ def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, 
 
 
 def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int, resolution: int,
-             iters: int, rounds: int, warmup: int, opaque: bool, num_classes: int = 1000) -> ModelResult:
+             iters: int, rounds: int, warmup: int, opaque: bool, num_classes: int = 1000,
+             fuse: bool = False) -> ModelResult:
     """Time one case; every variant's iterations alternate, round by round."""
     torch.manual_seed(0)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -99,6 +104,8 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
     compiled = execution == "compile"
     if compiled and opaque:
         variants["opaque"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native))
+    if fuse:
+        variants["fused"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, resolution, resolution, generator=g).contiguous(memory_format=memory_format)
     target = torch.randint(0, num_classes, (batch,), generator=g)
@@ -129,29 +136,36 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
     if "opaque" in ms:
         result.opaque_ms = round(ms["opaque"], 3)
         result.opaque_speedup = round(ms["native"] / ms["opaque"], 3)
+    if "fused" in ms:
+        result.fused_ms = round(ms["fused"], 3)
+        result.fused_speedup = round(ms["native"] / ms["fused"], 3)
     return result
 
 
 def run(model_name: str, modes, layouts, executions, batch: int, resolution: int, iters: int, rounds: int,
-        warmup: int, opaque: bool, num_classes: int = 1000, log=print) -> list[ModelResult]:
+        warmup: int, opaque: bool, num_classes: int = 1000, log=print, fuse: bool = False) -> list[ModelResult]:
     """Every case; prints a row as each finishes."""
     _raise_recompile_limits()
     header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
               f"{'native/ours':>11}")
     if opaque:
         header += f" {'opaque ms':>10} {'native/opaque':>13}"
+    if fuse:
+        header += f" {'fused ms':>9} {'native/fused':>12}"
     log(header)
     results = []
     for execution in executions:
         for mode in modes:
             for layout in layouts:
                 r = run_case(model_name, mode, layout, execution, batch, resolution, iters, rounds, warmup,
-                             opaque, num_classes)
+                             opaque, num_classes, fuse)
                 results.append(r)
                 line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
                         f"{r.ours_ms:>9.2f} {r.speedup:>10.3f}x")
                 if r.opaque_ms is not None:
                     line += f" {r.opaque_ms:>10.2f} {r.opaque_speedup:>12.3f}x"
+                if r.fused_ms is not None:
+                    line += f" {r.fused_ms:>9.2f} {r.fused_speedup:>11.3f}x"
                 log(line)
     return results
 
@@ -170,6 +184,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--num-classes", type=int, default=1000)
     group.add_argument("--opaque", action="store_true",
                        help="compiled cases also time ours with torch_bn_grad.config.compile_lowering off")
+    group.add_argument("--fuse", action="store_true",
+                       help="also time ours converted with convert_batchnorm(fuse=True) (BatchNorm+act(+add) fused)")
 
 
 def main(args) -> None:
@@ -179,7 +195,7 @@ def main(args) -> None:
           f"compile_lowering={config.compile_lowering}")
     results = run(args.model, args.modes.split(","), args.layouts.split(","), args.executions.split(","),
                   args.batch_size, args.resolution, args.iters, args.rounds, args.warmup, args.opaque,
-                  args.num_classes)
+                  args.num_classes, fuse=args.fuse)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)

@@ -1,0 +1,56 @@
+"""Smoke tests of the fused benchmarks, tiny sizes: ``benchmarks/fused.py`` (its
+three variants compute the same gradients) and ``--model ... --fuse``; and the
+LeakyReLU ResNet that ``examples/peak_memory.py`` fuses with memory_saving."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+
+import torch_bn_grad
+from torch_bn_grad import bench as entry
+
+_model_bench, _models = entry.load("models"), entry.load("resnets")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fused_bench():
+    spec = importlib.util.spec_from_file_location("fused_bench", os.path.join(ROOT, "benchmarks", "fused.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_op_bench_variants_agree(layout, residual):
+    bench = _fused_bench()
+    steps = bench.make_steps((4, 3, 5, 5), torch.float32, layout, residual)
+    results = {name: step() for name, step in steps.items()}
+    for name in ("ours", "fused"):
+        for got, want in zip(results[name], results["torch"]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    ms = bench.time_interleaved(steps, rounds=2, iters=1)
+    assert set(ms) == {"torch", "ours", "fused"} and all(v > 0 for v in ms.values())
+
+
+def test_model_bench_fuse_variant():
+    (row,) = _model_bench.run("resnet18", ["train"], ["contiguous"], ["eager"], batch=2, resolution=32, iters=1,
+                              rounds=1, warmup=1, opaque=False, num_classes=10, log=lambda *_: None, fuse=True)
+    assert row.fused_ms > 0 and row.fused_speedup == pytest.approx(row.native_ms / row.fused_ms, rel=1e-2)
+
+
+def test_leaky_resnet_fuses_with_memory_saving():
+    model = _models.resnet18(10, negative_slope=0.01).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every site fuses: no warning
+        fused = torch_bn_grad.convert_batchnorm(model, fuse=True, memory_saving=True)
+    modules = [m for m in fused.modules() if isinstance(m, torch_bn_grad.nn._ActForward)]
+    assert len(modules) == 17 and all(m.activation == "leaky_relu" and m.memory_saving for m in modules)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    torch.testing.assert_close(fused.eval()(x), model.eval()(x))

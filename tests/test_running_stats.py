@@ -1,0 +1,86 @@
+"""The running-statistics update operator (eager steps) against the tensor
+arithmetic that traced code uses: the same values, the same in-place semantics."""
+
+import pytest
+import torch
+
+import torch_bn_grad  # noqa: F401  (registers the operators)
+from torch_bn_grad import _running_stats
+
+OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
+
+
+def _python_update(running_mean, running_var, mean, var, count, momentum):
+    bessel = count / (count - 1) if count > 1 else 1.0
+    running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+    running_var.lerp_((var * bessel).to(running_var.dtype), momentum)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels", [3, 16, 37, 1000])
+@pytest.mark.parametrize("momentum", [0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("count", [1, 2, 513])
+def test_operator_equals_tensor_arithmetic(dtype, channels, momentum, count):
+    g = torch.Generator().manual_seed(channels + count)
+    rm, rv = torch.randn(channels, generator=g, dtype=dtype), torch.rand(channels, generator=g, dtype=dtype)
+    mean, var = torch.randn(channels, generator=g, dtype=dtype) * 100, torch.rand(channels, generator=g, dtype=dtype)
+    expected_mean, expected_var = rm.clone(), rv.clone()
+    _python_update(expected_mean, expected_var, mean, var, count, momentum)
+    OP(rm, rv, mean, var, count, momentum)
+    # Equal to within one rounding where torch's lerp kernel does not fuse (no FMA on the CPU).
+    torch.testing.assert_close(rm, expected_mean, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    torch.testing.assert_close(rv, expected_var, rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_empty_batch_and_absent_buffers_change_nothing():
+    rm, rv = torch.zeros(4), torch.ones(4)
+    OP(rm, rv, torch.full((4,), 5.0), torch.full((4,), 5.0), 0, 0.1)
+    assert torch.equal(rm, torch.zeros(4)) and torch.equal(rv, torch.ones(4))
+    OP(None, rv, torch.full((4,), 5.0), torch.full((4,), 3.0), 4, 1.0)
+    assert torch.equal(rv, torch.full((4,), 4.0))
+
+
+def test_strided_and_half_buffers_take_the_general_path():
+    rm = torch.zeros(8)[::2]
+    rv = torch.ones(4, dtype=torch.bfloat16)
+    OP(rm, rv, torch.ones(4), torch.full((4,), 2.0), 3, 0.5)
+    assert torch.equal(rm, torch.full((4,), 0.5))
+    assert torch.equal(rv, torch.full((4,), 2.0, dtype=torch.bfloat16))
+
+
+def test_version_counters_are_bumped():
+    rm, rv = torch.zeros(4), torch.ones(4)
+    before = (rm._version, rv._version)
+    OP(rm, rv, torch.ones(4), torch.ones(4), 3, 0.1)
+    assert rm._version > before[0] and rv._version > before[1]
+
+
+def test_bad_shape_names_the_argument():
+    with pytest.raises(ValueError, match="running_var must have one value per channel"):
+        OP(torch.zeros(4), torch.zeros(5), torch.zeros(4), torch.zeros(4), 3, 0.1)
+
+
+def test_opcheck():
+    args = (torch.zeros(6), torch.ones(6), torch.randn(6), torch.rand(6), 7, 0.1)
+    torch.library.opcheck(OP, args)
+
+
+def test_module_update_equals_torch():
+    torch.manual_seed(0)
+    ours, native = torch_bn_grad.nn.BatchNorm2d(5), torch.nn.BatchNorm2d(5)
+    for _ in range(3):
+        x = torch.randn(4, 5, 3, 3) * 3 + 1
+        ours(x), native(x)
+    torch.testing.assert_close(ours.running_mean, native.running_mean)
+    torch.testing.assert_close(ours.running_var, native.running_var)
+
+
+def test_traced_code_takes_tensor_arithmetic(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_running_stats, "_UPDATE_OP", lambda *a: calls.append(a))
+    rm, rv = torch.zeros(3), torch.ones(3)
+    _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), torch.tensor(4), 0.1)
+    _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), 4, torch.tensor(0.1))
+    assert not calls
+    _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), 4, 0.1)
+    assert len(calls) == 1
