@@ -42,7 +42,8 @@ def update_running_stats(
     tensor (the modules' cumulative average), so that it traces without a graph break.
     """
     if _one_call_applies(count, momentum, mean):
-        _UPDATE_OP(running_mean, running_var, mean.detach(), variance.detach(), count, momentum)
+        # Not detached: the operator's Autograd kernel runs it below autograd, recording nothing.
+        _UPDATE_OP(running_mean, running_var, mean, variance, count, momentum)
         return
     # Detached rather than under no_grad (a context costs more than the update on small layers):
     # the buffers never require grad, so nothing is recorded.

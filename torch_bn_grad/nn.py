@@ -183,7 +183,7 @@ class _ActForward(_FusedForward):
             if residual is not None:
                 y = y + residual
             return _activation.activate(y, self.activation, self.negative_slope)
-        if torch.onnx.is_in_onnx_export():  # torch's batch norm for the exporters, then the add and activation
+        if _compat.in_onnx_export():  # torch's batch norm for the exporters, then the add and activation
             y = _BatchNorm.forward(self, input)
             if residual is not None:
                 y = y + residual
