@@ -3,7 +3,8 @@
 Built-in synthetic data (no download): each class is a fixed random pattern,
 and an image is its class's pattern, randomly shifted, under Gaussian noise.
 Prints the loss and accuracy per epoch, a gradcheck verdict for our BatchNorm,
-and the median training-step time against the same model with torch's BatchNorm.
+and the median training-step time against the same model with torch's BatchNorm,
+ours as a drop-in and ours fused with the activations (convert_batchnorm(fuse=True)).
 
     python examples/train.py [--epochs 4] [--batch-size 64] [--threads N]
 """
@@ -184,6 +185,11 @@ def main() -> None:
     print(f"median training step (batch {args.batch_size}, {args.image_size}x{args.image_size}, channels_last): "
           f"torch BatchNorm {med_torch * 1e3:.2f} ms, torch_bn_grad {med_ours * 1e3:.2f} ms, "
           f"speedup {med_torch / med_ours:.2f}x")
+    # BatchNorm -> ReLU and BatchNorm -> add -> ReLU fused into one operator each.
+    fused_model = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference), fuse=True)
+    med_torch, med_fused = median_step_times(reference, fused_model, s)
+    print(f"median training step, fused (convert_batchnorm(fuse=True)): torch BatchNorm {med_torch * 1e3:.2f} ms, "
+          f"torch_bn_grad fused {med_fused * 1e3:.2f} ms, speedup {med_torch / med_fused:.2f}x")
     if not verdict:
         raise SystemExit(1)
 
