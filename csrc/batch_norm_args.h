@@ -12,6 +12,7 @@
 #include <c10/util/string_view.h>
 
 #include <array>
+#include <tuple>
 #include <cstdint>
 #include <vector>
 
@@ -106,6 +107,15 @@ at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelP
 // A 1-D kernel-order channel vector back to stats_shape in `dtype`.
 at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan,
                                 at::ScalarType dtype, const at::Tensor& like);
+
+// The fused backward's results (diff_src, diff_gamma, diff_beta, diff_residual)
+// from what the kernels wrote: the per-channel sums (kernel-order vectors)
+// converted to the statistics' dtype and shape, an empty tensor for each
+// output not asked for. Shared by the CPU and CUDA operators.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
+    std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma_k,
+    const at::Tensor& diff_beta_k, const at::Tensor& diff_residual, const ChannelPlan& plan,
+    const at::Tensor& data, const at::Tensor& mean);
 
 // Accumulation type for a data dtype: float64 for float64, else float32.
 at::ScalarType accumulate_type(at::ScalarType data);

@@ -123,4 +123,15 @@ at::ScalarType accumulate_type(at::ScalarType data) {
   return data == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
+    std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma_k,
+    const at::Tensor& diff_beta_k, const at::Tensor& diff_residual, const ChannelPlan& plan,
+    const at::Tensor& data, const at::Tensor& mean) {
+  const auto stats_dtype = mean.scalar_type();
+  return {output_mask[0] ? diff_src : at::empty({0}, data.options()),
+          output_mask[1] ? from_kernel_channels(diff_gamma_k, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[2] ? from_kernel_channels(diff_beta_k, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[3] ? diff_residual : at::empty({0}, data.options())};
+}
+
 }  // namespace torch_bn_grad

@@ -101,11 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     if (output_mask[0]) finish_kernel_output(dx, plan);
     if (output_mask[3]) finish_kernel_output(dz, plan);
   }
-  const auto stats_dtype = mean.scalar_type();
-  return {output_mask[0] ? dx.result : at::empty({0}, data.options()),
-          output_mask[1] ? from_kernel_channels(a.diff_gamma, plan, stats_dtype, data) : at::empty({0}, mean.options()),
-          output_mask[2] ? from_kernel_channels(a.diff_beta, plan, stats_dtype, data) : at::empty({0}, mean.options()),
-          output_mask[3] ? dz.result : at::empty({0}, data.options())};
+  return act_backward_outputs(output_mask, dx.result, a.diff_gamma, a.diff_beta, dz.result, plan, data, mean);
 }
 
 }  // namespace

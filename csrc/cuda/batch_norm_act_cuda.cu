@@ -238,11 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     if (need_pass && output_mask[0]) finish_kernel_output(dx, plan);
     if (need_pass && output_mask[3]) finish_kernel_output(dz, plan);
   }
-  const auto stats_dtype = mean.scalar_type();
-  return {output_mask[0] ? dx.result : at::empty({0}, data.options()),
-          output_mask[1] ? from_kernel_channels(dg, plan, stats_dtype, data) : at::empty({0}, mean.options()),
-          output_mask[2] ? from_kernel_channels(db, plan, stats_dtype, data) : at::empty({0}, mean.options()),
-          output_mask[3] ? dz.result : at::empty({0}, data.options())};
+  return act_backward_outputs(output_mask, dx.result, dg, db, dz.result, plan, data, mean);
 }
 
 }  // namespace
