@@ -27,7 +27,9 @@
 // When channels are outermost and there are enough of them, each thread runs
 // both passes on one channel at a time (for_each_channel), so the second pass
 // finds that channel's data in its L2 cache; otherwise the second pass walks
-// each thread's blocks in reverse, starting with the ones it read last.
+// each thread's blocks in reverse, starting with the ones it read last. An
+// elementwise pass with no reduction before it (frozen statistics) walks the
+// planes in memory order (affine_all).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace torch_bn_grad::cpu {
@@ -64,13 +65,27 @@ inline void lanes_to_double(const at::vec::Vectorized<acc_t>& sum, const at::vec
 // rare ties that round to even): sum(d^2) carries no rounding bias from the
 // centre's low bits, and a centre this close to the mean costs nothing in
 // cancellation. math::centred_moments turns the two sums into moments.
+//
+// max_abs comes from a plain (not NaN-propagating) max: a NaN element makes
+// the sum, and so `mean`, NaN, which is returned as it is.
+//
+// Taken once per channel and block, so it works on the float64 bits rather
+// than calling frexp/ldexp/round: spacing = 2^(e - digits) where max_abs is
+// in [2^(e-1), 2^e).
 template <typename acc_t>
 inline acc_t exact_centre(double mean, double max_abs) {
   if (!std::isfinite(mean) || !std::isfinite(max_abs) || max_abs == 0) return static_cast<acc_t>(mean);
-  int exponent = 0;
-  std::frexp(max_abs, &exponent);  // max_abs = f * 2^exponent, f in [0.5, 1)
-  const double spacing = std::ldexp(1.0, exponent - std::numeric_limits<acc_t>::digits);
-  return static_cast<acc_t>(std::round(mean / spacing) * spacing);
+  constexpr int kDigits = std::numeric_limits<acc_t>::digits;
+  uint64_t bits;
+  std::memcpy(&bits, &max_abs, sizeof bits);
+  const int biased = static_cast<int>((bits >> 52) & 0x7ff);  // max_abs in [2^(biased-1023), 2^(biased-1022))
+  const int spacing_biased = biased + 1 - kDigits;             // the biased exponent of 2^(e - digits)
+  if (biased == 0 || spacing_biased < 1) return static_cast<acc_t>(mean);  // subnormal scale: any centre is exact
+  uint64_t up = static_cast<uint64_t>(spacing_biased) << 52, down = static_cast<uint64_t>(2046 - spacing_biased) << 52;
+  double spacing, inverse;
+  std::memcpy(&spacing, &up, sizeof spacing);
+  std::memcpy(&inverse, &down, sizeof inverse);  // 2^-(e - digits), exact
+  return static_cast<acc_t>(std::nearbyint(mean * inverse) * spacing);
 }
 
 }  // namespace

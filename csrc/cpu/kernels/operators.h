@@ -45,6 +45,21 @@ void affine_block(const Blocks& b, const T* x, const T* y, T* out, const Extent&
   else RowKernels<T>::affine(x, y, out, e, blk, c, ep);
 }
 
+// affine_block over the whole array, for an elementwise pass that follows no
+// reduction (frozen statistics): planes are walked in memory order.
+template <typename T, typename E = PlainEpilogue<T>>
+void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e,
+                const math::AffineArrays<at::opmath_type<T>>& c, const E& ep = E{}) {
+  if (!b.planes) {
+    for_each_block(b, e, false, [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); });
+    return;
+  }
+  const int64_t planes = e.outer * e.channels;
+  at::parallel_for(0, planes, grain_for(e, planes), [&](int64_t p0, int64_t p1) {
+    PlaneKernels<T>::affine_planes(x, y, out, e, p0, p1, c, ep);
+  });
+}
+
 // The elementwise pass's per-channel coefficients (math::ChannelAffine) as
 // arrays, of the accumulation type.
 template <typename A>
@@ -103,9 +118,7 @@ void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const do
   AffineTable<acc_t> co(e.channels);
   for (int64_t k = 0; k < e.channels; ++k)
     co.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], eps, r != nullptr));
-  const Blocks b(e);
-  const math::AffineArrays<acc_t> coefficients = co.arrays();
-  for_each_block(b, e, false, [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); });
+  affine_all<T>(Blocks(e), x, r, y, e, co.arrays(), ep);
 }
 
 // The kernel reads `x` about `centre`; `unit` (null: 1) relates it to the
@@ -146,7 +159,8 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   }
   if (need_sums) for_each_block(b, e, false, reduce);
   for (int64_t k = 0; k < e.channels; ++k) finish(k);
-  if (dx) for_each_block(b, e, need_sums, apply);
+  if (dx && need_sums) for_each_block(b, e, true, apply);
+  else if (dx) affine_all<T>(b, x, dy, dx, e, coefficients, ep);
 }
 
 }  // namespace

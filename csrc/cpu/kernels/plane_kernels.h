@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
@@ -150,7 +151,7 @@ struct PlaneKernels {
       if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
         add_exact(sx.sum[0][c + q], sx.err[0][c + q], v[q]);
-        max_v[c + q] = at::vec::maximum(max_v[c + q], v[q].abs());
+        max_v[c + q] = at::vec::clamp_min(v[q].abs(), max_v[c + q]);  // a plain max: see exact_centre
       }
     }, [] {});
     acc_t max_abs = 0;
@@ -208,52 +209,66 @@ struct PlaneKernels {
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                      const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
     const int64_t C = e.channels, I = e.inner;
-    Vec xv[P], yv[P];
     const int64_t k = blk.channel;
-    const auto bound = ep.plane(k);
-    const Vec m(c.mean[k]), xs(c.x_scale[k]), b(c.bias[k]), ys(y ? c.dy_scale[k] : acc_t(0));
+    const ChannelAffine<E> ca(c, k, y != nullptr, ep);
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      const int64_t off = (o * C + k) * I;
+      const int64_t off = (o * C + k) * I + blk.s0;
       if (prefetch && o + kPrefetchAhead < blk.o1) {
-        const int64_t ahead = off + kPrefetchAhead * C * I + blk.s0;
+        const int64_t ahead = off + kPrefetchAhead * C * I;
         prefetch_lines<false>(x + ahead, n);
         if (y) prefetch_lines<false>(y + ahead, n);
         prefetch_lines<true>(out + ahead, n);
       }
-      int64_t j = blk.s0;
-      for (; j + K <= blk.s1; j += K) {
-        IO::load(x + off + j, xv);
-        if (y) {
-          IO::load(y + off + j, yv);
-          bound.apply(off + j, K, xv, yv);
-          ep.store_dz(off + j, K, yv);
-        }
-        for (int q = 0; q < P; ++q) {
-          xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
-          if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
-          ep.post(xv[q]);
-        }
-        IO::store(out + off + j, xv);
-      }
-      if (j < blk.s1) {
-        const int64_t rest = blk.s1 - j;
-        IO::load_partial(x + off + j, rest, xv);
-        if (y) {
-          IO::load_partial(y + off + j, rest, yv);
-          bound.apply(off + j, rest, xv, yv);
-          ep.store_dz(off + j, rest, yv);
-        }
-        for (int q = 0; q < P; ++q) {
-          xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
-          if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
-          ep.post(xv[q]);
-        }
-        IO::store_partial(out + off + j, rest, xv);
-      }
+      ca.row(x, y, out, off, n, ep);
     }
   }
+
+  // affine() over the planes [p0, p1) (plane p: outer row p / channels,
+  // channel p % channels) in memory order, for an elementwise pass that
+  // follows no reduction of its own (frozen statistics): planes of a few
+  // dozen elements, walked a channel at a time, would each start with a
+  // cache miss.
+  template <typename E = PlainEpilogue<T>>
+  static void affine_planes(const T* x, const T* y, T* out, const Extent& e, int64_t p0, int64_t p1,
+                            const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const ChannelAffine<E> ca(c, p % e.channels, y != nullptr, ep);
+      ca.row(x, y, out, p * e.inner, e.inner, ep);
+    }
+  }
+
+  // One channel's coefficients as vectors, and the elementwise pass over
+  // n contiguous elements of it.
+  template <typename E>
+  struct ChannelAffine {
+    decltype(std::declval<const E&>().plane(0)) bound;
+    Vec m, xs, b, ys;
+    ChannelAffine(const math::AffineArrays<acc_t>& c, int64_t k, bool with_y, const E& ep)
+        : bound(ep.plane(k)), m(c.mean[k]), xs(c.x_scale[k]), b(c.bias[k]), ys(with_y ? c.dy_scale[k] : acc_t(0)) {}
+
+    C10_ALWAYS_INLINE void chunk(const T* x, const T* y, T* out, int64_t off, int64_t lanes, const E& ep) const {
+      Vec xv[P], yv[P];
+      if (lanes == K) IO::load(x + off, xv); else IO::load_partial(x + off, lanes, xv);
+      if (y) {
+        if (lanes == K) IO::load(y + off, yv); else IO::load_partial(y + off, lanes, yv);
+        bound.apply(off, lanes, xv, yv);
+        ep.store_dz(off, lanes, yv);
+      }
+      for (int q = 0; q < P; ++q) {
+        xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
+        if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
+        ep.post(xv[q]);
+      }
+      if (lanes == K) IO::store(out + off, xv); else IO::store_partial(out + off, lanes, xv);
+    }
+    C10_ALWAYS_INLINE void row(const T* x, const T* y, T* out, int64_t off, int64_t n, const E& ep) const {
+      int64_t j = 0;
+      for (; j + K <= n; j += K) chunk(x, y, out, off + j, K, ep);
+      if (j < n) chunk(x, y, out, off + j, n - j, ep);
+    }
+  };
 };
 
 }  // namespace

@@ -74,7 +74,7 @@ struct RowKernels {
           IO::load(x + o * C + c0 + j, v);
           for (int q = 0; q < P; ++q) {
             a[q] = a[q] + v[q];
-            mx[q] = at::vec::maximum(mx[q], v[q].abs());
+            mx[q] = at::vec::clamp_min(v[q].abs(), mx[q]);  // a plain max: see exact_centre
           }
         }
         for (int q = 0; q < P; ++q) {
