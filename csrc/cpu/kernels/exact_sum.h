@@ -47,16 +47,25 @@ inline void add_exact_nonnegative(V& sum, V& err, const V& x) {
   sum = t;
 }
 
-// sum + err of each lane, in float64.
-template <typename acc_t>
-inline void lanes_to_double(const at::vec::Vectorized<acc_t>& sum, const at::vec::Vectorized<acc_t>& err,
-                            double* out) {
+// The float64 total of n compensated (sum, err) vector pairs: lane by lane
+// across the pairs, then a fixed pairwise tree over the lanes. It runs once
+// per block and sum, so it must be cheap next to a small block (a 4 x 16-lane
+// serial chain of float64 adds cost the smallest planes a third of their
+// time); the order is fixed, so the result depends on the data alone.
+template <typename acc_t, int N>
+inline double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
   constexpr int64_t W = at::vec::Vectorized<acc_t>::size();
-  alignas(64) acc_t s[W];
-  alignas(64) acc_t r[W];
-  sum.store(s);
-  err.store(r);
-  for (int64_t i = 0; i < W; ++i) out[i] = static_cast<double>(s[i]) + static_cast<double>(r[i]);
+  alignas(64) double acc[W] = {};
+  for (int c = 0; c < N; ++c) {
+    alignas(64) acc_t s[W];
+    alignas(64) acc_t r[W];
+    sum[c].store(s);
+    err[c].store(r);
+    for (int64_t i = 0; i < W; ++i) acc[i] += static_cast<double>(s[i]) + static_cast<double>(r[i]);
+  }
+  for (int64_t half = W / 2; half >= 1; half /= 2)
+    for (int64_t i = 0; i < half; ++i) acc[i] += acc[i + half];
+  return acc[0];
 }
 
 // The statistics' second pass centre: the block mean rounded to a multiple of

@@ -65,15 +65,7 @@ struct PlaneKernels {
           run[n][c] = Vec(acc_t(0));
         }
     }
-    double total(int n) const {
-      double lanes[W];
-      double t = 0;
-      for (int c = 0; c < kChains; ++c) {
-        lanes_to_double(sum[n][c], err[n][c], lanes);
-        for (int64_t i = 0; i < W; ++i) t += lanes[i];
-      }
-      return t;
-    }
+    double total(int n) const { return lanes_total(sum[n], err[n]); }
   };
 
   // Chain indices and full-chunk lane counts are passed as compile-time
@@ -154,8 +146,9 @@ struct PlaneKernels {
         max_v[c + q] = at::vec::clamp_min(v[q].abs(), max_v[c + q]);  // a plain max: see exact_centre
       }
     }, [] {});
-    acc_t max_abs = 0;
-    for (const auto& m : max_v) max_abs = std::max(max_abs, max_lane(m));
+    Vec max_all = max_v[0];
+    for (int c = 1; c < kChains; ++c) max_all = at::vec::clamp_min(max_v[c], max_all);
+    const acc_t max_abs = max_lane(max_all);
     const double count = static_cast<double>((blk.o1 - blk.o0) * n);
     const double sum_x = sx.total(0);
     const acc_t centre = exact_centre<acc_t>(sum_x / count, max_abs);
