@@ -29,15 +29,16 @@ namespace {  // internal linkage: see vec_io.h
 // statistics passes.
 constexpr int64_t kBlockElements = 16384;
 // Channels per rows block (per-column accumulators), and that block's target
-// size. A block row runs over up to kColumnBlock channels (4 KiB of float32
-// for 1024): shorter segments of eight interleaved rows defeat the hardware
-// prefetchers (256-channel segments took 1.5x as long per element on a 2048-
-// channel layer). The block is large enough that each channel's per-block
-// work (its centre, its partial and the merge) is spread over at least 128
-// rows, and small enough (512 KiB of float32) that the statistics' second
-// pass finds it in L2.
+// size and least height. A block row runs over up to kColumnBlock channels
+// (4 KiB of float32): shorter segments of eight interleaved rows defeat the
+// hardware prefetchers (256-channel segments took 1.5x as long per element on
+// a 2048-channel layer). A block has at least kRowBlockRows rows, so that
+// each channel's per-block work (its centre, its partial and the merge) is
+// spread over them, and otherwise about kRowBlockElements elements, so that
+// x and dy of a block still fit in L2 together for the second pass.
 constexpr int64_t kColumnBlock = 1024;
-constexpr int64_t kRowBlockElements = 131072;
+constexpr int64_t kRowBlockElements = 65536;
+constexpr int64_t kRowBlockRows = 128;
 
 struct Blocks {
   bool planes;
@@ -55,7 +56,7 @@ struct Blocks {
     } else {
       span_step = std::max<int64_t>(1, std::min(e.channels, kColumnBlock));
       n_span = ceil_div(e.channels, span_step);
-      outer_step = std::max<int64_t>(1, kRowBlockElements / span_step);
+      outer_step = std::max(kRowBlockRows, kRowBlockElements / span_step);
       n_outer = ceil_div(e.outer, outer_step);
       total = n_outer * n_span;
     }
