@@ -42,10 +42,9 @@ template <typename A, typename Count>
 TBG_HOST_DEVICE Moments<A, Count> merge(const Moments<A, Count>& a, const Moments<A, Count>& b) {
   if (b.count == 0) return a;
   const Count count = a.count + b.count;
-  const A total = static_cast<A>(count);
+  const A b_share = static_cast<A>(b.count) / static_cast<A>(count);  // the merge's one division
   const A delta = b.mean - a.mean;
-  return {count, a.mean + delta * (static_cast<A>(b.count) / total),
-          a.m2 + (b.m2 + delta * delta * (static_cast<A>(a.count) * static_cast<A>(b.count) / total))};
+  return {count, a.mean + delta * b_share, a.m2 + (b.m2 + delta * delta * (static_cast<A>(a.count) * b_share))};
 }
 
 // The biased variance of merged moments.

@@ -107,7 +107,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
     return;
   }
   for_each_block(b, e, false, reduce);
-  for (int64_t k = 0; k < e.channels; ++k) finish(k);
+  for_each_channel_finish(b, e, finish);
   for_each_block(b, e, true, normalize);
 }
 
@@ -158,7 +158,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     return;
   }
   if (need_sums) for_each_block(b, e, false, reduce);
-  for (int64_t k = 0; k < e.channels; ++k) finish(k);
+  for_each_channel_finish(b, e, finish);
   if (dx && need_sums) for_each_block(b, e, true, apply);
   else if (dx) affine_all<T>(b, x, dy, dx, e, coefficients, ep);
 }

@@ -177,28 +177,48 @@ struct RowKernels {
     const int64_t C = e.channels;
     // Local copies: the vector stores may alias anything, c's fields included.
     const acc_t *mean = c.mean, *dy_scale = c.dy_scale, *x_scale = c.x_scale, *bias = c.bias;
-    Vec xv[P], yv[P];
     const int64_t c0 = blk.s0, c1 = blk.s1;
-    for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      const int64_t off = o * C;
+    // Each chunk's coefficients are loaded once for kAffineRows rows: with
+    // three or four coefficient vectors per data vector, L1 loads, not
+    // memory, bounded the single-row loop on wide layers.
+    constexpr int64_t kAffineRows = 4;
+    int64_t o = blk.o0;
+    auto rows = [&](auto n) {
+      constexpr int64_t R = decltype(n)::value;
       int64_t j = c0;
       for (; j + K <= c1; j += K) {
-        IO::load(x + off + j, xv);
-        if (y) {
-          IO::load(y + off + j, yv);
-          ep.columns(j).apply(off + j, K, xv, yv);
-          ep.store_dz(off + j, K, yv);
-        }
+        const auto bound = ep.columns(j);
+        Vec m[P], xs[P], b[P], ys[P];
         for (int q = 0; q < P; ++q) {
           const int64_t jq = j + q * W;
-          xv[q] = at::vec::fmadd(xv[q] - Vec::loadu(mean + jq), Vec::loadu(x_scale + jq), Vec::loadu(bias + jq));
-          if (y) xv[q] = at::vec::fmadd(Vec::loadu(dy_scale + jq), yv[q], xv[q]);
-          ep.post(xv[q]);
+          m[q] = Vec::loadu(mean + jq);
+          xs[q] = Vec::loadu(x_scale + jq);
+          b[q] = Vec::loadu(bias + jq);
+          if (y) ys[q] = Vec::loadu(dy_scale + jq);
         }
-        IO::store(out + off + j, xv);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t off = (o + r) * C + j;
+          Vec xv[P], yv[P];
+          IO::load(x + off, xv);
+          if (y) {
+            IO::load(y + off, yv);
+            bound.apply(off, K, xv, yv);
+            ep.store_dz(off, K, yv);
+          }
+          for (int q = 0; q < P; ++q) {
+            xv[q] = at::vec::fmadd(xv[q] - m[q], xs[q], b[q]);
+            if (y) xv[q] = at::vec::fmadd(ys[q], yv[q], xv[q]);
+            ep.post(xv[q]);
+          }
+          IO::store(out + off, xv);
+        }
       }
-      for (; j < c1; ++j) out[off + j] = scalar(x, y, off + j, j, c, ep);
-    }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t k = j; k < c1; ++k) out[(o + r) * C + k] = scalar(x, y, (o + r) * C + k, k, c, ep);
+      o += R;
+    };
+    while (o + kAffineRows <= blk.o1) rows(std::integral_constant<int64_t, kAffineRows>{});
+    while (o < blk.o1) rows(std::integral_constant<int64_t, 1>{});
   }
 
   // One element of affine(), of channel k, at offset i.
