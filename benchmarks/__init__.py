@@ -3,6 +3,9 @@
 * ``ops.py``: the operator table and plot (``python -m torch_bn_grad.bench``, or
   ``python benchmarks/ops.py`` in a checkout); ``--model`` runs ``models.py``.
 * ``models.py``: a whole ResNet (``resnets.py``) with our BatchNorm against torch's.
-* ``call_overhead.py``: the per-call cost of a tiny BatchNorm2d.
+* ``call_overhead.py``: the per-call cost of a tiny BatchNorm2d;
+  ``fused_overhead.py``: the same for the fused BatchNormAct2d. Both time with
+  ``_per_call.py``.
+* ``fused.py``: fused BatchNorm + add + ReLU against torch's separate operators.
 * ``allocators.py``: ``examples/train.py`` under each memory allocator.
 """

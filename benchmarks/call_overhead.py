@@ -1,35 +1,26 @@
 """Per-call overhead: a tiny BatchNorm2d (8x16x8x8) training step (forward +
-backward) and eval forward, torch's module against ours, interleaved in one
-process; medians in microseconds.
+backward) and eval forward, torch's module against ours, calls alternating in
+one process; medians in microseconds.
 
     python benchmarks/call_overhead.py [--rounds 3] [--iters 300]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 import torch_bn_grad
 
-
-def _median_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._per_call import alternating_medians_us, parse_args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=300)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     torch.manual_seed(0)
     x = torch.randn(8, 16, 8, 8, requires_grad=True)
     modules = {"native": torch.nn.BatchNorm2d(16), "ours": torch_bn_grad.nn.BatchNorm2d(16)}
@@ -45,8 +36,9 @@ def main() -> None:
                 with torch.no_grad():
                     m(x)
 
+        steps = {name: (lambda m=m: step(m)) for name, m in modules.items()}
         for r in range(args.rounds):
-            t = {name: _median_us(lambda: step(m), args.iters) for name, m in modules.items()}
+            t = alternating_medians_us(steps, args.iters)
             print(f"{mode:5s} round {r}: native {t['native']:7.1f} us  ours {t['ours']:7.1f} us  "
                   f"speedup {t['native'] / t['ours']:.2f}x")
 

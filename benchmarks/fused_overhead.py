@@ -9,13 +9,16 @@ machine slows both alike; medians in microseconds.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 import torch_bn_grad
+
+if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._per_call import alternating_medians_us, parse_args
 
 
 class _Native(torch.nn.Module):
@@ -28,17 +31,8 @@ class _Native(torch.nn.Module):
         return torch.relu(y + residual if residual is not None else y)
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=300)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     torch.manual_seed(0)
     modules = {"native": _Native(64), "ours": torch_bn_grad.nn.BatchNormAct2d(64)}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -49,12 +43,9 @@ def main() -> None:
             def step(m):
                 m(x, residual).sum().backward()
 
+            steps = {name: (lambda m=m: step(m)) for name, m in modules.items()}
             for r in range(args.rounds):
-                times = {name: [] for name in modules}
-                for _ in range(iters):
-                    for name, m in modules.items():
-                        times[name].append(_timed(lambda: step(m)))
-                t = {name: statistics.median(v) * 1e6 for name, v in times.items()}
+                t = alternating_medians_us(steps, iters)
                 print(f"{'x'.join(map(str, shape)):>12s} residual={residual is not None!s:5s} round {r}: "
                       f"native {t['native']:8.1f} us  ours {t['ours']:8.1f} us  "
                       f"speedup {t['native'] / t['ours']:.2f}x")

@@ -56,11 +56,11 @@ void batch_moments_impl(const T* x, const Extent& e, double* mean, double* m2) {
   const Blocks b(e);
   Partials<Moments> parts(e.channels, b.per_channel());
   for_each_block(b, e, false, [&](const Block& blk) { stats_block(b, x, e, blk, parts); });
-  for (int64_t k = 0; k < e.channels; ++k) {
+  for_each_channel_finish(b, e, [&](int64_t k) {
     const Moments m = parts.merged(k, {0, 0, 0});
     mean[k] = m.mean;
     m2[k] = m.m2;
-  }
+  });
 }
 
 template <typename T>
@@ -72,11 +72,11 @@ void grad_sums_impl(const T* x, const T* dy, const Extent& e, const double* mean
   for (int64_t k = 0; k < e.channels; ++k) centre[k] = static_cast<acc_t>(mean[k]);
   Partials<GradSums> parts(e.channels, b.per_channel());
   for_each_block(b, e, false, [&](const Block& blk) { grad_sums_block(b, x, dy, e, blk, centre.data(), parts); });
-  for (int64_t k = 0; k < e.channels; ++k) {
+  for_each_channel_finish(b, e, [&](int64_t k) {
     const GradSums s = math::recentre(parts.merged(k, {0, 0}), mean[k], static_cast<double>(centre[k]));
     sum_dy[k] = s.sum_dy;
     sum_dy_xc[k] = s.sum_dy_xc;
-  }
+  });
 }
 
 // `sums` holds the rows (sum_dy, sum_dy_xc) of grad_sums.

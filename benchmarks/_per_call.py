@@ -1,0 +1,30 @@
+"""What the per-call benchmarks (``call_overhead.py``, ``fused_overhead.py``)
+share: their command line and their timing, calls alternating between the
+variants so that a noisy machine slows them alike."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    """``--rounds`` (printed rounds) and ``--iters`` (calls per variant and round)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=300)
+    return parser.parse_args()
+
+
+def alternating_medians_us(steps: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
+    """Median microseconds per call of each step over `iters` calls each, the
+    steps called in turn."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
