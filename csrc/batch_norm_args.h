@@ -81,13 +81,15 @@ ChannelPlan check_grad_input_args(const at::Tensor& src, const at::Tensor& diff_
                                   const at::Tensor& count, const at::Tensor& grad_sums, double epsilon,
                                   c10::string_view data_format);
 
-// `t` (src's shape) as a contiguous [outer, channels, inner] tensor; a view
-// when its layout allows, else a copy.
+// The tensor whose data the kernels read as a contiguous [outer, channels,
+// inner] array: `t` itself when its strides already lay it out so (no view
+// is made: kernels use the data pointer only), else a permuted contiguous copy.
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan);
 
 // An output tensor laid out like `src` (its memory format), plus the
-// contiguous [outer, channels, inner] buffer the kernel writes. The buffer
-// aliases the output when the layouts agree; otherwise call
+// contiguous [outer, channels, inner] buffer the kernel writes (its data
+// pointer: it may keep the result's shape). The buffer is the output itself
+// when the layouts agree; otherwise call
 // `finish_kernel_output` after the kernel has run. `allocator`, when given,
 // a CPU allocator, provides the result's memory (strides as empty_like(src)
 // would choose).
@@ -104,18 +106,26 @@ void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan);
 at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
                               at::ScalarType dtype, double fill, const at::Tensor& like);
 
+// The same as float64 values written to `out` (plan.channels of them, host
+// memory): the CPU operators keep their per-channel vectors in one host
+// buffer, as a tensor each costs a fair share of a small layer's call.
+void load_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan, double fill,
+                          const at::Tensor& like, double* out);
+
 // A 1-D kernel-order channel vector back to stats_shape in `dtype`.
 at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan,
                                 at::ScalarType dtype, const at::Tensor& like);
+// The same from float64 values in host memory, as a CPU tensor.
+at::Tensor kernel_channels_result(const double* v, const ChannelPlan& plan, at::ScalarType dtype,
+                                  const at::Tensor& like);
 
-// The fused backward's results (diff_src, diff_gamma, diff_beta, diff_residual)
-// from what the kernels wrote: the per-channel sums (kernel-order vectors)
-// converted to the statistics' dtype and shape, an empty tensor for each
-// output not asked for. Shared by the CPU and CUDA operators.
+// The fused backward's results (diff_src, diff_gamma, diff_beta, diff_residual):
+// those asked for as given (diff_gamma and diff_beta already in the
+// statistics' dtype and shape), an empty tensor for each output not asked
+// for. Shared by the CPU and CUDA operators.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
-    std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma_k,
-    const at::Tensor& diff_beta_k, const at::Tensor& diff_residual, const ChannelPlan& plan,
-    const at::Tensor& data, const at::Tensor& mean);
+    std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma,
+    const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data, const at::Tensor& mean);
 
 // Accumulation type for a data dtype: float64 for float64, else float32.
 at::ScalarType accumulate_type(at::ScalarType data);

@@ -13,17 +13,23 @@
 
 namespace torch_bn_grad {
 namespace {
-bool is_identity(const std::vector<int64_t>& permutation) {
-  for (size_t i = 0; i < permutation.size(); ++i)
-    if (permutation[i] != static_cast<int64_t>(i)) return false;
+// Whether t.permute(permutation) would be contiguous, worked out from the
+// strides (a view costs about a microsecond, a tenth of a small operator).
+bool permuted_contiguous(const at::Tensor& t, const std::vector<int64_t>& permutation) {
+  if (t.numel() == 0) return true;
+  int64_t expected = 1;
+  for (auto d = permutation.rbegin(); d != permutation.rend(); ++d) {
+    const int64_t size = t.size(*d);
+    if (size == 1) continue;
+    if (t.stride(*d) != expected) return false;
+    expected *= size;
+  }
   return true;
 }
 }  // namespace
 
-// The identity permutation of a contiguous tensor is the tensor itself: no view
-// is made (a view costs about a microsecond, a tenth of a small operator).
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {
-  if (is_identity(plan.permutation) && t.is_contiguous()) return t;
+  if (permuted_contiguous(t, plan.permutation)) return t;
   return t.permute(plan.permutation).contiguous();
 }
 
@@ -37,19 +43,17 @@ KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan, 
     out.result = at::detail::empty_strided_generic(src.sizes(), strides, allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
                                                    src.scalar_type());
   }
-  if (is_identity(plan.permutation) && out.result.is_contiguous()) {
+  if (permuted_contiguous(out.result, plan.permutation)) {
     out.buffer = out.result;
     return out;
   }
-  auto view = out.result.permute(plan.permutation);
-  out.buffer = view.is_contiguous() ? view : at::empty(view.sizes(), src.options());
+  out.buffer = at::empty(out.result.permute(plan.permutation).sizes(), src.options());
   return out;
 }
 
 void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan) {
   if (out.buffer.is_same(out.result)) return;
-  auto view = out.result.permute(plan.permutation);
-  if (!view.is_same(out.buffer) && view.data_ptr() != out.buffer.data_ptr()) view.copy_(out.buffer);
+  out.result.permute(plan.permutation).copy_(out.buffer);
 }
 
 namespace {
@@ -69,27 +73,41 @@ std::vector<int64_t> kernel_from_logical(const ChannelPlan& plan) {
 }
 }  // namespace
 
+namespace {
+// The common case: per-channel values in kernel order, a contiguous CPU vector.
+bool channels_in_order(const at::Tensor& t, const ChannelPlan& plan) {
+  return plan.kept_kernel == plan.kept_logical && t.is_contiguous() && t.is_cpu();
+}
+}  // namespace
+
+// The common case is converted by a plain loop (TensorIterator's set-up
+// costs more than the copy of a few channels).
+void load_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan, double fill,
+                          const at::Tensor& like, double* out) {
+  if (!t.has_value()) {
+    std::fill_n(out, plan.channels, fill);
+    return;
+  }
+  if (channels_in_order(*t, plan)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t->scalar_type(), "load_kernel_channels", [&] {
+      const scalar_t* in = t->const_data_ptr<scalar_t>();
+      for (int64_t k = 0; k < plan.channels; ++k) out[k] = static_cast<double>(in[k]);
+    });
+    return;
+  }
+  const at::Tensor v = to_kernel_channels(t, plan, at::kDouble, fill, like).cpu();
+  std::copy_n(v.const_data_ptr<double>(), plan.channels, out);
+}
+
 at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
                               at::ScalarType dtype, double fill, const at::Tensor& like) {
-  if (!t.has_value()) {
+  if (!t.has_value() || channels_in_order(*t, plan)) {
+    if (t.has_value() && t->scalar_type() == dtype) return t->dim() == 1 ? *t : t->view({plan.channels});
     at::Tensor v = at::empty({plan.channels}, like.options().dtype(dtype));
-    if (dtype == at::kDouble) std::fill_n(v.mutable_data_ptr<double>(), plan.channels, fill);
-    else v.fill_(fill);
+    if (dtype == at::kDouble && v.is_cpu()) load_kernel_channels(t, plan, fill, like, v.mutable_data_ptr<double>());
+    else if (!t.has_value()) v.fill_(fill);
+    else v.copy_(t->view({plan.channels}));
     return v;
-  }
-  if (plan.kept_kernel == plan.kept_logical && t->is_contiguous() && t->is_cpu()) {
-    // The common case, a contiguous vector, converted by a plain loop
-    // (TensorIterator's set-up costs more than the copy of a few channels).
-    if (t->scalar_type() == dtype) return t->dim() == 1 ? *t : t->view({plan.channels});
-    if (dtype == at::kDouble) {
-      at::Tensor v = at::empty({plan.channels}, like.options().dtype(dtype));
-      double* out = v.mutable_data_ptr<double>();
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t->scalar_type(), "to_kernel_channels", [&] {
-        const scalar_t* in = t->const_data_ptr<scalar_t>();
-        for (int64_t k = 0; k < plan.channels; ++k) out[k] = static_cast<double>(in[k]);
-      });
-      return v;
-    }
   }
   if (plan.kept_kernel == plan.kept_logical) return t->reshape({plan.channels}).to(dtype).contiguous();
   return t->reshape(sizes_of(like, plan.kept_logical))
@@ -99,18 +117,28 @@ at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelP
       .view({plan.channels});
 }
 
+// c10::convert rounds as Tensor.to does (once, to the nearest).
+at::Tensor kernel_channels_result(const double* v, const ChannelPlan& plan, at::ScalarType dtype,
+                                  const at::Tensor& like) {
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  if (plan.kept_kernel != plan.kept_logical) {
+    at::Tensor copy = at::empty({plan.channels}, options.dtype(at::kDouble));
+    std::copy_n(v, plan.channels, copy.mutable_data_ptr<double>());
+    return from_kernel_channels(copy, plan, dtype, like);
+  }
+  at::Tensor out = at::empty(plan.stats_shape, options);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kernel_channels_result", [&] {
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    for (int64_t k = 0; k < plan.channels; ++k) dst[k] = c10::convert<scalar_t>(v[k]);
+  });
+  return out;
+}
+
 at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan, at::ScalarType dtype,
                                 const at::Tensor& like) {
   if (plan.kept_kernel == plan.kept_logical && v.is_cpu() && v.scalar_type() == at::kDouble && v.is_contiguous()) {
     if (dtype == at::kDouble) return v.view(plan.stats_shape);
-    at::Tensor out = at::empty(plan.stats_shape, v.options().dtype(dtype));
-    const double* in = v.const_data_ptr<double>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "from_kernel_channels", [&] {
-      // c10::convert rounds as Tensor.to does (once, to the nearest).
-      scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-      for (int64_t k = 0; k < plan.channels; ++k) dst[k] = c10::convert<scalar_t>(in[k]);
-    });
-    return out;
+    return kernel_channels_result(v.const_data_ptr<double>(), plan, dtype, like);
   }
   if (plan.kept_kernel == plan.kept_logical) return v.reshape(plan.stats_shape).to(dtype).contiguous();
   const auto to_logical = kernel_from_logical(plan);
@@ -124,13 +152,11 @@ at::ScalarType accumulate_type(at::ScalarType data) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
-    std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma_k,
-    const at::Tensor& diff_beta_k, const at::Tensor& diff_residual, const ChannelPlan& plan,
-    const at::Tensor& data, const at::Tensor& mean) {
-  const auto stats_dtype = mean.scalar_type();
+    std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma,
+    const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data, const at::Tensor& mean) {
   return {output_mask[0] ? diff_src : at::empty({0}, data.options()),
-          output_mask[1] ? from_kernel_channels(diff_gamma_k, plan, stats_dtype, data) : at::empty({0}, mean.options()),
-          output_mask[2] ? from_kernel_channels(diff_beta_k, plan, stats_dtype, data) : at::empty({0}, mean.options()),
+          output_mask[1] ? diff_gamma : at::empty({0}, mean.options()),
+          output_mask[2] ? diff_beta : at::empty({0}, mean.options()),
           output_mask[3] ? diff_residual : at::empty({0}, data.options())};
 }
 

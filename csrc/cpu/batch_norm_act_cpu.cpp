@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "batch_norm_args.h"
 #include "cpu/kernels/act_kernel_table.h"
@@ -32,32 +34,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
   a.residual = layout_or_undefined(residual, plan);
   a.dst = out.buffer;
   a.extent = plan.extent();
-  a.gamma = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
-  a.beta = to_kernel_channels(beta, plan, at::kDouble, 0, src);
+  // Per-channel float64 vectors: gamma, beta, mean, variance.
+  const int64_t C = plan.channels;
+  std::vector<double> host(4 * C);
+  double *gamma_d = host.data(), *beta_d = gamma_d + C;
+  load_kernel_channels(gamma, plan, 1, src, gamma_d);
+  load_kernel_channels(beta, plan, 0, src, beta_d);
+  a.gamma = gamma_d;
+  a.beta = beta_d;
+  a.mean = beta_d + C;
+  a.var = a.mean + C;
   a.epsilon = epsilon;
   a.act = {checked.kind, negative_slope};
   a.batch = !mean.has_value();
   if (!a.batch) {
-    a.mean = to_kernel_channels(mean, plan, at::kDouble, 0, src);
-    a.var = to_kernel_channels(variance, plan, at::kDouble, 0, src);
+    load_kernel_channels(mean, plan, 0, src, a.mean);
+    load_kernel_channels(variance, plan, 0, src, a.var);
     if (src.numel() > 0) {
       act_kernel_table().forward(a);
       finish_kernel_output(out, plan);
     }
     return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous)};
   }
-  a.mean = at::empty({plan.channels}, src.options().dtype(at::kDouble));
-  a.var = at::empty({plan.channels}, src.options().dtype(at::kDouble));
   if (plan.reduced_count() == 0) {
-    a.mean.fill_(std::numeric_limits<double>::quiet_NaN());
-    a.var.fill_(std::numeric_limits<double>::quiet_NaN());
+    std::fill_n(a.mean, 2 * C, std::numeric_limits<double>::quiet_NaN());
   } else if (src.numel() > 0) {
     act_kernel_table().forward(a);
     finish_kernel_output(out, plan);
   }
   const auto stats_dtype = accumulate_type(src.scalar_type());
-  return {out.result, from_kernel_channels(a.mean, plan, stats_dtype, src),
-          from_kernel_channels(a.var, plan, stats_dtype, src)};
+  return {out.result, kernel_channels_result(a.mean, plan, stats_dtype, src),
+          kernel_channels_result(a.var, plan, stats_dtype, src)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cpu(
@@ -69,23 +76,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
                                                   activation, negative_slope, data_format, from_output);
   const ChannelPlan& plan = checked.plan;
   const at::Tensor& data = from_output ? *dst : *src;
-  const auto f64 = data.options().dtype(at::kDouble);
   ActBackwardArgs a;
   a.data = to_kernel_layout(data, plan);
   if (!from_output) a.output = layout_or_undefined(dst, plan);
   a.residual = layout_or_undefined(residual, plan);
   a.diff_dst = to_kernel_layout(diff_dst, plan);
   a.extent = plan.extent();
-  a.mean = to_kernel_channels(mean, plan, at::kDouble, 0, data);
-  a.var = to_kernel_channels(variance, plan, at::kDouble, 0, data);
-  a.gamma = to_kernel_channels(gamma, plan, at::kDouble, 1, data);
-  a.beta = to_kernel_channels(beta, plan, at::kDouble, 0, data);
+  // Per-channel float64 vectors: mean, variance, gamma, beta, diff_gamma, diff_beta.
+  const int64_t C = plan.channels;
+  std::vector<double> host(6 * C, 0.0);
+  double* const mean_d = host.data();
+  load_kernel_channels(mean, plan, 0, data, mean_d);
+  load_kernel_channels(variance, plan, 0, data, mean_d + C);
+  load_kernel_channels(gamma, plan, 1, data, mean_d + 2 * C);
+  load_kernel_channels(beta, plan, 0, data, mean_d + 3 * C);
+  a.mean = mean_d;
+  a.var = mean_d + C;
+  a.gamma = mean_d + 2 * C;
+  a.beta = mean_d + 3 * C;
   a.epsilon = epsilon;
   a.training = training;
   a.from_output = from_output;
   a.act = {checked.kind, negative_slope};
-  if (output_mask[1]) a.diff_gamma = at::zeros({plan.channels}, f64);
-  if (output_mask[2]) a.diff_beta = at::zeros({plan.channels}, f64);
+  if (output_mask[1]) a.diff_gamma = mean_d + 4 * C;
+  if (output_mask[2]) a.diff_beta = mean_d + 5 * C;
   // dz is written by the elementwise pass, which diff_src drives.
   KernelOutput dx, dz;
   if (output_mask[0] || output_mask[3]) {
@@ -101,7 +115,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     if (output_mask[0]) finish_kernel_output(dx, plan);
     if (output_mask[3]) finish_kernel_output(dz, plan);
   }
-  return act_backward_outputs(output_mask, dx.result, a.diff_gamma, a.diff_beta, dz.result, plan, data, mean);
+  const auto param_grad = [&](const double* sums) {
+    return sums ? kernel_channels_result(sums, plan, mean.scalar_type(), data) : at::Tensor();
+  };
+  return act_backward_outputs(output_mask, dx.result, param_grad(a.diff_gamma), param_grad(a.diff_beta), dz.result,
+                              data, mean);
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 // CPU implementations of the operators: validate, lay the data out as
 // [outer, channels, inner], and run the kernels of the running CPU's
-// instruction set. Per-channel tensors travel as float64 vectors.
+// instruction set. Per-channel values travel as float64 vectors in one host
+// buffer per call.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
@@ -13,10 +16,6 @@
 
 namespace torch_bn_grad::cpu {
 namespace {
-
-at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like) {
-  return at::empty({plan.channels}, like.options().dtype(at::kDouble));
-}
 
 // A contiguous copy of a small per-channel tensor: a plain memcpy where it
 // can be (clone's dispatch costs more than copying a few channels).
@@ -33,33 +32,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
     const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
   const Extent e = plan.extent();
-  const at::Tensor x = to_kernel_layout(src, plan);
-  const at::Tensor gamma_d = to_kernel_channels(gamma, plan, at::kDouble, 1, src);
-  const at::Tensor beta_d = to_kernel_channels(beta, plan, at::kDouble, 0, src);
+  const int64_t C = plan.channels;
+  // Per-channel float64 vectors: gamma, beta, mean, variance.
+  std::vector<double> host(4 * C);
+  double *gamma_d = host.data(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C;
+  load_kernel_channels(gamma, plan, 1, src, gamma_d);
+  load_kernel_channels(beta, plan, 0, src, beta_d);
   KernelOutput out = make_kernel_output(src, plan, output_allocator());
 
   if (mean.has_value()) {
     if (src.numel() > 0) {
-      kernel_table().forward_frozen(x, out.buffer, e, to_kernel_channels(mean, plan, at::kDouble, 0, src),
-                                    to_kernel_channels(variance, plan, at::kDouble, 0, src), gamma_d,
-                                    beta_d, epsilon);
+      load_kernel_channels(mean, plan, 0, src, mean_d);
+      load_kernel_channels(variance, plan, 0, src, var_d);
+      kernel_table().forward_frozen(to_kernel_layout(src, plan), out.buffer, e, mean_d, var_d, gamma_d, beta_d,
+                                    epsilon);
       finish_kernel_output(out, plan);
     }
     return {out.result, contiguous_copy(*mean), contiguous_copy(*variance)};
   }
 
-  at::Tensor mean_d = channel_vector(plan, src);
-  at::Tensor var_d = channel_vector(plan, src);
   if (plan.reduced_count() == 0) {
-    mean_d.fill_(std::numeric_limits<double>::quiet_NaN());
-    var_d.fill_(std::numeric_limits<double>::quiet_NaN());
+    std::fill_n(mean_d, 2 * C, std::numeric_limits<double>::quiet_NaN());
   } else if (src.numel() > 0) {
-    kernel_table().forward_batch(x, out.buffer, e, gamma_d, beta_d, epsilon, mean_d, var_d);
+    kernel_table().forward_batch(to_kernel_layout(src, plan), out.buffer, e, gamma_d, beta_d, epsilon, mean_d, var_d);
     finish_kernel_output(out, plan);
   }
   const auto stats_dtype = accumulate_type(src.scalar_type());
-  return {out.result, from_kernel_channels(mean_d, plan, stats_dtype, src),
-          from_kernel_channels(var_d, plan, stats_dtype, src)};
+  return {out.result, kernel_channels_result(mean_d, plan, stats_dtype, src),
+          kernel_channels_result(var_d, plan, stats_dtype, src)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
@@ -69,29 +69,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
   const auto stats_dtype = mean.scalar_type();
-  // The kernel writes every channel; only an empty src leaves the sums at zero.
-  const auto channel_sums = [&](bool wanted) {
-    if (!wanted) return at::Tensor();
-    at::Tensor v = channel_vector(plan, src);
-    if (src.numel() == 0) v.zero_();
-    return v;
-  };
-  at::Tensor diff_gamma_d = channel_sums(output_mask[1]);
-  at::Tensor diff_beta_d = channel_sums(output_mask[2]);
+  const int64_t C = plan.channels;
+  // Per-channel float64 vectors: mean, variance, gamma, diff_gamma, diff_beta.
+  // The kernel writes every channel's sums; only an empty src leaves them at zero.
+  std::vector<double> host(5 * C, 0.0);
+  double *mean_d = host.data(), *var_d = mean_d + C, *gamma_d = var_d + C, *diff_gamma_d = gamma_d + C,
+         *diff_beta_d = diff_gamma_d + C;
   KernelOutput out;
   if (output_mask[0]) out = make_kernel_output(src, plan, output_allocator());
 
   if (src.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2])) {
+    load_kernel_channels(mean, plan, 0, src, mean_d);
+    load_kernel_channels(variance, plan, 0, src, var_d);
+    load_kernel_channels(gamma, plan, 1, src, gamma_d);
     kernel_table().backward(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), out.buffer,
-                            plan.extent(), to_kernel_channels(mean, plan, at::kDouble, 0, src),
-                            to_kernel_channels(variance, plan, at::kDouble, 0, src),
-                            to_kernel_channels(gamma, plan, at::kDouble, 1, src), epsilon, training,
-                            diff_gamma_d, diff_beta_d);
+                            plan.extent(), mean_d, var_d, gamma_d, epsilon, training,
+                            output_mask[1] ? diff_gamma_d : nullptr, output_mask[2] ? diff_beta_d : nullptr);
     if (output_mask[0]) finish_kernel_output(out, plan);
   }
-  return {output_mask[0] ? out.result : at::empty({0}, src.options()),
-          output_mask[1] ? from_kernel_channels(diff_gamma_d, plan, stats_dtype, src) : at::empty({0}, mean.options()),
-          output_mask[2] ? from_kernel_channels(diff_beta_d, plan, stats_dtype, src) : at::empty({0}, mean.options())};
+  const auto param_grad = [&](bool wanted, const double* sums) {
+    return wanted ? kernel_channels_result(sums, plan, stats_dtype, src) : at::empty({0}, mean.options());
+  };
+  return {output_mask[0] ? out.result : at::empty({0}, src.options()), param_grad(output_mask[1], diff_gamma_d),
+          param_grad(output_mask[2], diff_beta_d)};
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
@@ -18,9 +20,9 @@ at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view da
   const int64_t count = plan.reduced_count();
   at::Tensor stats = at::zeros({3, plan.channels}, src.options().dtype(at::kDouble));
   if (count > 0 && plan.channels > 0) {
-    at::Tensor mean = stats[1];
-    at::Tensor m2 = stats[2];
-    kernel_table().batch_moments(to_kernel_layout(src, plan), plan.extent(), mean, m2);
+    double* rows = stats.mutable_data_ptr<double>();
+    kernel_table().batch_moments(to_kernel_layout(src, plan), plan.extent(), rows + plan.channels,
+                                 rows + 2 * plan.channels);
     stats[0].fill_(static_cast<double>(count));
   }
   return stats;
@@ -31,10 +33,10 @@ at::Tensor batch_norm_grad_sums_cpu(const at::Tensor& src, const at::Tensor& dif
   const ChannelPlan plan = check_grad_sums_args(src, diff_dst, mean, data_format);
   at::Tensor sums = at::zeros({2, plan.channels}, src.options().dtype(at::kDouble));
   if (plan.reduced_count() > 0 && plan.channels > 0) {
-    at::Tensor sum_dy = sums[0];
-    at::Tensor sum_dy_xc = sums[1];
+    const at::Tensor mean_c = mean.contiguous();
+    double* rows = sums.mutable_data_ptr<double>();
     kernel_table().grad_sums(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), plan.extent(),
-                             mean.contiguous(), sum_dy, sum_dy_xc);
+                             mean_c.const_data_ptr<double>(), rows, rows + plan.channels);
   }
   return sums;
 }
@@ -50,10 +52,14 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
   if (src.numel() == 0) return out.result;
 
   // The coefficients (math::backward_coefficients) are derived by the kernels.
+  const at::Tensor mean_c = mean.contiguous(), var_c = variance.contiguous(), count_c = count.contiguous(),
+                   sums_c = grad_sums.contiguous();
+  std::vector<double> gamma_d(plan.channels);
+  load_kernel_channels(gamma, plan, 1, src, gamma_d.data());
   kernel_table().grad_input(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), out.buffer,
-                            plan.extent(), mean.contiguous(), variance.contiguous(),
-                            to_kernel_channels(gamma, plan, at::kDouble, 1, src), count.contiguous(),
-                            grad_sums.contiguous(), epsilon);
+                            plan.extent(), mean_c.const_data_ptr<double>(), var_c.const_data_ptr<double>(),
+                            gamma_d.data(), count_c.const_data_ptr<double>(), sums_c.const_data_ptr<double>(),
+                            epsilon);
   finish_kernel_output(out, plan);
   return out.result;
 }

@@ -238,7 +238,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     if (need_pass && output_mask[0]) finish_kernel_output(dx, plan);
     if (need_pass && output_mask[3]) finish_kernel_output(dz, plan);
   }
-  return act_backward_outputs(output_mask, dx.result, dg, db, dz.result, plan, data, mean);
+  const auto param_grad = [&](bool wanted, const at::Tensor& sums) {
+    return wanted ? from_kernel_channels(sums, plan, mean.scalar_type(), data) : at::Tensor();
+  };
+  return act_backward_outputs(output_mask, dx.result, param_grad(output_mask[1], dg), param_grad(output_mask[2], db),
+                              dz.result, data, mean);
 }
 
 }  // namespace

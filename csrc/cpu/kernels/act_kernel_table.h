@@ -1,8 +1,9 @@
 // The CPU kernels of the fused batch_norm_act operators (interface), compiled
 // once per instruction set like kernel_table.h's; `act_kernel_table()` picks
 // the running CPU's copy. Data tensors are contiguous [outer, channels,
-// inner] arrays, per-channel tensors contiguous float64 vectors; an undefined
-// tensor is an absent operand or an output not asked for.
+// inner] arrays, per-channel values float64 vectors in host memory; an
+// undefined tensor or a null vector is an absent operand or an output not
+// asked for.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,8 +22,8 @@ struct ActForwardArgs {
   at::Tensor src, residual;  // residual may be undefined
   at::Tensor dst;            // output
   Extent extent;
-  at::Tensor gamma, beta;
-  at::Tensor mean, var;  // batch: written (batch statistics); frozen: read
+  const double *gamma, *beta;
+  double *mean, *var;  // batch: written (batch statistics); frozen: read
   double epsilon;
   bool batch;
   ActParams act;
@@ -35,8 +36,8 @@ struct ActBackwardArgs {
   at::Tensor diff_dst;
   at::Tensor diff_src, diff_residual;  // outputs (diff_src defined whenever diff_residual is)
   Extent extent;
-  at::Tensor mean, var, gamma, beta;
-  at::Tensor diff_gamma, diff_beta;  // outputs
+  const double *mean, *var, *gamma, *beta;
+  double *diff_gamma = nullptr, *diff_beta = nullptr;  // outputs
   double epsilon;
   bool training, from_output;
   ActParams act;

@@ -38,13 +38,10 @@ void forward_impl(ActForwardArgs& a) {
   const T* x = a.src.const_data_ptr<T>();
   const T* r = data_or_null<T>(a.residual);
   T* y = a.dst.mutable_data_ptr<T>();
-  const double *gamma = data_or_null<double>(a.gamma), *beta = data_or_null<double>(a.beta);
   if (a.batch) {
-    forward_batch_impl<T>(x, r, y, a.extent, gamma, beta, a.epsilon, out_or_null<double>(a.mean),
-                          out_or_null<double>(a.var), ep);
+    forward_batch_impl<T>(x, r, y, a.extent, a.gamma, a.beta, a.epsilon, a.mean, a.var, ep);
   } else {
-    forward_frozen_impl<T>(x, r, y, a.extent, data_or_null<double>(a.mean), data_or_null<double>(a.var), gamma,
-                           beta, a.epsilon, ep);
+    forward_frozen_impl<T>(x, r, y, a.extent, a.mean, a.var, a.gamma, a.beta, a.epsilon, ep);
   }
 }
 
@@ -57,9 +54,8 @@ void backward_impl_act(ActBackwardArgs& a) {
   const T* r = data_or_null<T>(a.residual);
   T* dx = out_or_null<T>(a.diff_src);
   T* dz = out_or_null<T>(a.diff_residual);
-  const double *mean = data_or_null<double>(a.mean), *var = data_or_null<double>(a.var);
-  const double *gamma = data_or_null<double>(a.gamma), *beta = data_or_null<double>(a.beta);
-  double *dgamma = out_or_null<double>(a.diff_gamma), *dbeta = out_or_null<double>(a.diff_beta);
+  const double *mean = a.mean, *var = a.var, *gamma = a.gamma, *beta = a.beta;
+  double *dgamma = a.diff_gamma, *dbeta = a.diff_beta;
   const acc_t slope = static_cast<acc_t>(a.act.slope);
   if constexpr (Act::kGradFromOutput) {
     constexpr bool kInvertible = Act::kKind == act::Kind::identity || Act::kKind == act::Kind::leaky_relu;

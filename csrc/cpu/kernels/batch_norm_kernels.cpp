@@ -99,56 +99,50 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
 #define TBG_DISPATCH(tensor, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
 
-const double* f64(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<double>() : nullptr; }
-double* f64_out(at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<double>() : nullptr; }
-
-void forward_batch(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& gamma,
-                   const at::Tensor& beta, double epsilon, at::Tensor& mean, at::Tensor& var) {
+void forward_batch(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* gamma, const double* beta,
+                   double epsilon, double* mean, double* var) {
   TBG_DISPATCH(src, "forward_batch", [&] {
-    forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, f64(gamma),
-                                 f64(beta), epsilon, f64_out(mean), f64_out(var));
+    forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, gamma,
+                                 beta, epsilon, mean, var);
   });
 }
 
-void forward_frozen(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& mean,
-                    const at::Tensor& var, const at::Tensor& gamma, const at::Tensor& beta, double epsilon) {
+void forward_frozen(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* mean, const double* var,
+                    const double* gamma, const double* beta, double epsilon) {
   TBG_DISPATCH(src, "forward_frozen", [&] {
-    forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, f64(mean),
-                                  f64(var), f64(gamma), f64(beta), epsilon);
+    forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, mean,
+                                  var, gamma, beta, epsilon);
   });
 }
 
 void backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
-              const at::Tensor& mean, const at::Tensor& var, const at::Tensor& gamma, double epsilon,
-              bool training, at::Tensor& diff_gamma, at::Tensor& diff_beta) {
+              const double* mean, const double* var, const double* gamma, double epsilon, bool training,
+              double* diff_gamma, double* diff_beta) {
   TBG_DISPATCH(src, "backward", [&] {
     backward_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
-                            diff_src.defined() ? diff_src.mutable_data_ptr<scalar_t>() : nullptr, e, f64(mean),
-                            nullptr, f64(var), f64(gamma), epsilon, training, f64_out(diff_gamma), f64_out(diff_beta));
+                            diff_src.defined() ? diff_src.mutable_data_ptr<scalar_t>() : nullptr, e, mean, nullptr,
+                            var, gamma, epsilon, training, diff_gamma, diff_beta);
   });
 }
 
-void batch_moments(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::Tensor& m2) {
-  TBG_DISPATCH(src, "batch_moments", [&] {
-    batch_moments_impl<scalar_t>(src.const_data_ptr<scalar_t>(), e, f64_out(mean), f64_out(m2));
-  });
+void batch_moments(const at::Tensor& src, const Extent& e, double* mean, double* m2) {
+  TBG_DISPATCH(src, "batch_moments", [&] { batch_moments_impl<scalar_t>(src.const_data_ptr<scalar_t>(), e, mean, m2); });
 }
 
-void grad_sums(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e, const at::Tensor& mean,
-               at::Tensor& sum_dy, at::Tensor& sum_dy_xc) {
+void grad_sums(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e, const double* mean,
+               double* sum_dy, double* sum_dy_xc) {
   TBG_DISPATCH(src, "grad_sums", [&] {
-    grad_sums_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(), e, f64(mean),
-                             f64_out(sum_dy), f64_out(sum_dy_xc));
+    grad_sums_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(), e, mean, sum_dy,
+                             sum_dy_xc);
   });
 }
 
 void grad_input(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
-                const at::Tensor& mean, const at::Tensor& var, const at::Tensor& gamma, const at::Tensor& count,
-                const at::Tensor& grad_sums, double epsilon) {
+                const double* mean, const double* var, const double* gamma, const double* count,
+                const double* grad_sums, double epsilon) {
   TBG_DISPATCH(src, "grad_input", [&] {
     grad_input_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
-                              diff_src.mutable_data_ptr<scalar_t>(), e, f64(mean), f64(var), f64(gamma),
-                              f64(count), f64(grad_sums), epsilon);
+                              diff_src.mutable_data_ptr<scalar_t>(), e, mean, var, gamma, count, grad_sums, epsilon);
   });
 }
 

@@ -3,7 +3,7 @@
 // copy that matches the running CPU (at::get_cpu_capability()).
 //
 // Every data tensor is a contiguous [outer, channels, inner] array (Extent).
-// Per-channel tensors are contiguous float64 vectors.
+// Per-channel values are float64 vectors in host memory (null: absent).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,31 +15,28 @@ namespace torch_bn_grad::cpu {
 struct KernelTable {
   // Training forward: batch mean and biased variance (written to mean, var),
   // then dst = scale * (src - mean) + shift.
-  void (*forward_batch)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& gamma,
-                        const at::Tensor& beta, double epsilon, at::Tensor& mean, at::Tensor& var);
+  void (*forward_batch)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* gamma,
+                        const double* beta, double epsilon, double* mean, double* var);
   // Forward with given statistics.
-  void (*forward_frozen)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const at::Tensor& mean,
-                         const at::Tensor& var, const at::Tensor& gamma, const at::Tensor& beta,
-                         double epsilon);
+  void (*forward_frozen)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* mean,
+                         const double* var, const double* gamma, const double* beta, double epsilon);
   // Backward: diff_src when `diff_src` is defined, diff_gamma and diff_beta when
-  // they are defined; `training` selects the batch-statistics gradient.
-  void (*backward)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src,
-                   const Extent& e, const at::Tensor& mean, const at::Tensor& var,
-                   const at::Tensor& gamma, double epsilon, bool training, at::Tensor& diff_gamma,
-                   at::Tensor& diff_beta);
+  // they are not null; `training` selects the batch-statistics gradient.
+  void (*backward)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
+                   const double* mean, const double* var, const double* gamma, double epsilon, bool training,
+                   double* diff_gamma, double* diff_beta);
 
   // Primitives for split-stage algorithms (statistics across processes).
   // Batch mean and centred second moment m2 of each channel.
-  void (*batch_moments)(const at::Tensor& src, const Extent& e, at::Tensor& mean, at::Tensor& m2);
+  void (*batch_moments)(const at::Tensor& src, const Extent& e, double* mean, double* m2);
   // sum_dy = sum(diff_dst), sum_dy_xc = sum(diff_dst * (src - mean)) in one pass.
-  void (*grad_sums)(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e,
-                    const at::Tensor& mean, at::Tensor& sum_dy, at::Tensor& sum_dy_xc);
+  void (*grad_sums)(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e, const double* mean,
+                    double* sum_dy, double* sum_dy_xc);
   // The training diff_src from whole-batch statistics: `count` elements per
   // channel and grad_sums' rows (sum_dy, sum_dy_xc) summed over the batch.
-  void (*grad_input)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src,
-                     const Extent& e, const at::Tensor& mean, const at::Tensor& var,
-                     const at::Tensor& gamma, const at::Tensor& count, const at::Tensor& grad_sums,
-                     double epsilon);
+  void (*grad_input)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
+                     const double* mean, const double* var, const double* gamma, const double* count,
+                     const double* grad_sums, double epsilon);
   const char* isa;
 };
 
