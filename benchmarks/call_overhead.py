@@ -1,6 +1,6 @@
 """Per-call overhead: a tiny BatchNorm2d (8x16x8x8) training step (forward +
-backward) and eval forward, torch's module against ours, calls alternating in
-one process; medians in microseconds.
+backward) and eval forward, contiguous and channels_last, torch's module
+against ours, calls alternating in one process; medians in microseconds.
 
     python benchmarks/call_overhead.py [--rounds 3] [--iters 300]
 """
@@ -22,25 +22,27 @@ from benchmarks._per_call import alternating_medians_us, parse_args
 def main() -> None:
     args = parse_args(__doc__)
     torch.manual_seed(0)
-    x = torch.randn(8, 16, 8, 8, requires_grad=True)
     modules = {"native": torch.nn.BatchNorm2d(16), "ours": torch_bn_grad.nn.BatchNorm2d(16)}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, input {tuple(x.shape)}")
-    for mode in ("train", "eval"):
-        for m in modules.values():
-            m.train(mode == "train")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, input (8, 16, 8, 8)")
+    for layout, memory_format in (("contiguous", torch.contiguous_format), ("channels_last", torch.channels_last)):
+        x = torch.randn(8, 16, 8, 8).contiguous(memory_format=memory_format)
+        x.requires_grad_()
+        for mode in ("train", "eval"):
+            for m in modules.values():
+                m.train(mode == "train")
 
-        def step(m):
-            if mode == "train":
-                m(x).sum().backward()
-            else:
-                with torch.no_grad():
-                    m(x)
+            def step(m):
+                if mode == "train":
+                    m(x).sum().backward()
+                else:
+                    with torch.no_grad():
+                        m(x)
 
-        steps = {name: (lambda m=m: step(m)) for name, m in modules.items()}
-        for r in range(args.rounds):
-            t = alternating_medians_us(steps, args.iters)
-            print(f"{mode:5s} round {r}: native {t['native']:7.1f} us  ours {t['ours']:7.1f} us  "
-                  f"speedup {t['native'] / t['ours']:.2f}x")
+            steps = {name: (lambda m=m: step(m)) for name, m in modules.items()}
+            for r in range(args.rounds):
+                t = alternating_medians_us(steps, args.iters)
+                print(f"{layout:13s} {mode:5s} round {r}: native {t['native']:7.1f} us  ours {t['ours']:7.1f} us  "
+                      f"speedup {t['native'] / t['ours']:.2f}x")
 
 
 if __name__ == "__main__":
