@@ -28,8 +28,8 @@
 // both passes on one channel at a time (for_each_channel), so the second pass
 // finds that channel's data in its L2 cache; otherwise the second pass walks
 // each thread's blocks in reverse, starting with the ones it read last. An
-// elementwise pass with no reduction before it (frozen statistics) walks the
-// planes in memory order (affine_all).
+// elementwise pass with no reduction before it (frozen statistics, the
+// split-stage grad_input) walks the planes in memory order (affine_all).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
@@ -92,7 +92,7 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
   }
   const Blocks b(e);
   const math::AffineArrays<acc_t> coefficients = co.arrays();
-  for_each_block(b, e, false, [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients); });
+  affine_all<T>(b, x, dy, dx, e, coefficients);
 }
 
 // ---------------------------------------------------------------- entry points

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <c10/macros/Macros.h>
 
 #include <cmath>
 #include <cstdint>
@@ -53,7 +54,7 @@ inline void add_exact_nonnegative(V& sum, V& err, const V& x) {
 // serial chain of float64 adds cost the smallest planes a third of their
 // time); the order is fixed, so the result depends on the data alone.
 template <typename acc_t, int N>
-inline double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
+C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
   constexpr int64_t W = at::vec::Vectorized<acc_t>::size();
   alignas(64) double acc[W] = {};
   for (int c = 0; c < N; ++c) {

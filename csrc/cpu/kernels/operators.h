@@ -46,7 +46,8 @@ void affine_block(const Blocks& b, const T* x, const T* y, T* out, const Extent&
 }
 
 // affine_block over the whole array, for an elementwise pass that follows no
-// reduction (frozen statistics): planes are walked in memory order.
+// reduction (frozen statistics, the split-stage grad_input): planes are
+// walked in memory order.
 template <typename T, typename E = PlainEpilogue<T>>
 void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e,
                 const math::AffineArrays<at::opmath_type<T>>& c, const E& ep = E{}) {

@@ -47,25 +47,44 @@ struct PlaneKernels {
   // Sums of N kinds of terms over a planes block: each chain adds its terms
   // plainly into `run` and, every kRowRun terms or so, moves the run into the
   // compensated `sum`/`err` pair (as the row kernels do per channel).
+  //
+  // Every access names its accumulator with constant indices (folds over
+  // index sequences, not loops): GCC keeps an array in registers only if no
+  // access indexes it with a variable before its loops are unrolled, and
+  // otherwise loads and stores every accumulator on each chunk.
   template <int N>
   struct Sums {
+    static constexpr auto kAll = std::make_integer_sequence<int, N * kChains>{};
     Vec sum[N][kChains], err[N][kChains], run[N][kChains];
-    Sums() {
-      for (int n = 0; n < N; ++n)
-        for (int c = 0; c < kChains; ++c) sum[n][c] = err[n][c] = run[n][c] = Vec(acc_t(0));
-    }
+    Sums() { zero(kAll); }
     // Moves every run into its compensated sum; kNonNegative when all terms
     // are >= 0 (the cheaper add_exact_nonnegative is then exact).
     template <bool kNonNegative = false>
-    void flush() {
-      for (int n = 0; n < N; ++n)
-        for (int c = 0; c < kChains; ++c) {
-          if constexpr (kNonNegative) add_exact_nonnegative(sum[n][c], err[n][c], run[n][c]);
-          else add_exact(sum[n][c], err[n][c], run[n][c]);
-          run[n][c] = Vec(acc_t(0));
-        }
+    C10_ALWAYS_INLINE void flush() { flush_each<kNonNegative>(kAll); }
+    C10_ALWAYS_INLINE double total(int n) const { return total_of(n, std::make_integer_sequence<int, kChains>{}); }
+
+   private:
+    template <int... I>
+    C10_ALWAYS_INLINE void zero(std::integer_sequence<int, I...>) {
+      ((sum[I / kChains][I % kChains] = err[I / kChains][I % kChains] = run[I / kChains][I % kChains] =
+            Vec(acc_t(0))), ...);
     }
-    double total(int n) const { return lanes_total(sum[n], err[n]); }
+    template <bool kNonNegative, int... I>
+    C10_ALWAYS_INLINE void flush_each(std::integer_sequence<int, I...>) {
+      (flush_one<kNonNegative, I / kChains, I % kChains>(), ...);
+    }
+    template <bool kNonNegative, int n, int c>
+    C10_ALWAYS_INLINE void flush_one() {
+      if constexpr (kNonNegative) add_exact_nonnegative(sum[n][c], err[n][c], run[n][c]);
+      else add_exact(sum[n][c], err[n][c], run[n][c]);
+      run[n][c] = Vec(acc_t(0));
+    }
+    // lanes_total over copies: its loop indexes its arguments with a variable.
+    template <int... I>
+    C10_ALWAYS_INLINE double total_of(int n, std::integer_sequence<int, I...>) const {
+      const Vec s[kChains] = {sum[n][I]...}, r[kChains] = {err[n][I]...};
+      return lanes_total(s, r);
+    }
   };
 
   // Chain indices and full-chunk lane counts are passed as compile-time
@@ -74,18 +93,22 @@ struct PlaneKernels {
   static constexpr std::integral_constant<int, C> chain{};
   static constexpr std::integral_constant<int64_t, K> full{};
 
-  // Calls chunk(offset, chain base, lanes) for every chunk of every row of a
-  // planes block (lanes < K only for a row's last, partial chunk), spreading a
-  // row's chunks over the kGroups chain groups, and flush() whenever a chain
-  // may have taken kRowRun plain terms. The schedule depends on the shape only.
-  // Short rows of `a` and `b` (b may be null) are prefetched ahead.
-  // Always inlined, so that the accumulators the chunk and flush lambdas
-  // update stay in registers (GCC would otherwise keep large instances out
-  // of line, which costs the plane kernels 10-20%).
-  template <typename Chunk, typename Flush>
-  C10_ALWAYS_INLINE static void walk_plane_rows(const Extent& e, const Block& blk, const T* a, const T* b, const Chunk& chunk,
-                              const Flush& flush) {
+  // Calls pass.chunk(offset, chain base, lanes) for every chunk of every row
+  // of a planes block (lanes < K only for a row's last, partial chunk),
+  // spreading a row's chunks over the kGroups chain groups, and pass.flush()
+  // whenever a chain may have taken kRowRun plain terms. The schedule depends
+  // on the shape only. Short rows of `a` and `b` (b may be null) are
+  // prefetched ahead.
+  //
+  // The passes are objects holding their accumulators, reached without
+  // closures: GCC keeps any variable whose address a closure holds (a lambda
+  // capturing it by reference) in memory, which put every accumulator on
+  // the stack, loaded and stored on each chunk. Always inlined, so that the
+  // pass's accumulators become registers.
+  template <typename Pass>
+  C10_ALWAYS_INLINE static void walk_plane_rows(const Extent& e, const Block& blk, const T* a, const T* b, Pass& pass) {
     constexpr int64_t kSegment = kRowRun * kGroups * K;
+    constexpr auto groups = std::make_integer_sequence<int, kGroups>{};
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
     int64_t pending = 0;  // most plain terms any chain holds
@@ -98,28 +121,33 @@ struct PlaneKernels {
       }
       int64_t j = 0;
       for (; j + kSegment <= n; j += kSegment) {
-        for (int64_t r = 0; r < kRowRun; ++r)
-          static_for<kGroups>([&](auto g) { chunk(row + j + (r * kGroups + g) * K, chain<g * P>, full); });
-        flush();
+        for (int64_t r = 0; r < kRowRun; ++r) full_chunks(pass, row + j + r * kGroups * K, groups);
+        pass.flush();
         pending = 0;
       }
       int64_t i = 0;  // chunk i of the rest goes to group i % kGroups
-      while (j < n) {
-        static_for<kGroups>([&](auto g) {
-          if (j < n) {
-            chunk(row + j, chain<g * P>, std::min(K, n - j));
-            j += K;
-            ++i;
-          }
-        });
-      }
+      while (j < n) rest_chunks(pass, row, n, j, i, groups);
       pending += ceil_div(i, kGroups);
       if (pending >= kRowRun) {
-        flush();
+        pass.flush();
         pending = 0;
       }
     }
-    flush();
+    pass.flush();
+  }
+
+  // One full chunk per chain group, at base + g * K.
+  template <typename Pass, int... G>
+  C10_ALWAYS_INLINE static void full_chunks(Pass& pass, int64_t base, std::integer_sequence<int, G...>) {
+    (pass.chunk(base + G * K, chain<G * P>, full), ...);
+  }
+
+  // The next chunks of a row's rest (from j, n elements in all), one per
+  // chain group while any are left; j advances by K and i counts them.
+  template <typename Pass, int... G>
+  C10_ALWAYS_INLINE static void rest_chunks(Pass& pass, int64_t row, int64_t n, int64_t& j, int64_t& i,
+                                            std::integer_sequence<int, G...>) {
+    ((j < n ? (pass.chunk(row + j, chain<G * P>, std::min(K, n - j)), j += K, ++i) : 0), ...);
   }
 
   static acc_t max_lane(const Vec& v) {
@@ -128,56 +156,69 @@ struct PlaneKernels {
     return *std::max_element(lanes, lanes + W);
   }
 
-  // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
-  // max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
-  static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
-    const int64_t k = blk.channel, n = blk.s1 - blk.s0;
-    Sums<1> sx;
-    Vec max_v[kChains];
-    for (auto& m : max_v) m = Vec(acc_t(0));
-    // Zero-filled lanes of a partial chunk add nothing to the sum or the max.
-    // Every term is added exactly (no plain runs): the mean must be right to
-    // well within half a unit of its float32 rounding.
-    walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, auto c, auto lanes) {
+  // Statistics pass 1: the exact sum of x and max |x| (a plain max: see
+  // exact_centre). Zero-filled lanes of a partial chunk add nothing to either.
+  // Every term is added exactly (no plain runs): the mean must be right to
+  // well within half a unit of its float32 rounding.
+  struct SumMaxPass {
+    const T* x;
+    Sums<1> sums;
+    Vec max_abs[kChains];
+    explicit SumMaxPass(const T* data) : x(data) {
+      // Not a range for: its pointer walk would keep the pass in memory (see Sums).
+      for (int c = 0; c < kChains; ++c) max_abs[c] = Vec(acc_t(0));
+    }
+    template <typename C, typename L>
+    C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
       Vec v[P];
       if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
-        add_exact(sx.sum[0][c + q], sx.err[0][c + q], v[q]);
-        max_v[c + q] = at::vec::clamp_min(v[q].abs(), max_v[c + q]);  // a plain max: see exact_centre
+        add_exact(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
+        max_abs[c + q] = at::vec::clamp_min(v[q].abs(), max_abs[c + q]);
       }
-    }, [] {});
-    Vec max_all = max_v[0];
-    for (int c = 1; c < kChains; ++c) max_all = at::vec::clamp_min(max_v[c], max_all);
-    const acc_t max_abs = max_lane(max_all);
-    const double count = static_cast<double>((blk.o1 - blk.o0) * n);
-    const double sum_x = sx.total(0);
-    const acc_t centre = exact_centre<acc_t>(sum_x / count, max_abs);
-    const Vec cv(centre), zero(acc_t(0));
-    Sums<1> sd;
-    walk_plane_rows(e, blk, x, nullptr, [&](int64_t off, auto c, auto lanes) {
-      Vec v[P];
-      if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
-      for (int q = 0; q < P; ++q) {
-        Vec d = v[q] - cv;
-        // Lanes past the row must not add (0 - centre)^2.
-        if (lanes < K) d = Vec::set(zero, d, std::clamp<int64_t>(lanes - q * W, 0, W));
-        sd.run[0][c + q] = at::vec::fmadd(d, d, sd.run[0][c + q]);
-      }
-    }, [&] { sd.template flush<true>(); });
-    out.at(k, blk.slot) = math::centred_moments(count, sum_x, centre, sd.total(0));
-  }
+    }
+    void flush() {}
+    C10_ALWAYS_INLINE acc_t max_all() const { return max_of(std::make_integer_sequence<int, kChains>{}); }
+    template <int... I>
+    C10_ALWAYS_INLINE acc_t max_of(std::integer_sequence<int, I...>) const {  // constant indices, as in Sums
+      Vec m = max_abs[0];
+      ((m = at::vec::clamp_min(max_abs[I], m)), ...);
+      return max_lane(m);
+    }
+  };
 
-  // The block's exact sum(dy) and sum(dy * (x - mean)); with an epilogue,
-  // of dz and of the value it centres (epilogue.h).
-  template <typename E = PlainEpilogue<T>>
-  static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
-                        Partials<math::GradSums<double>>& out, const E& ep = E{}) {
-    const int64_t k = blk.channel;
-    const Vec m(mean[k]);
-    const auto bound = ep.plane(k);
-    Sums<2> st;
-    // Zero-filled dy lanes of a partial chunk add nothing to either sum.
-    walk_plane_rows(e, blk, x, dy, [&](int64_t off, auto c, auto lanes) {
+  // Statistics pass 2: the exact sum of (x - centre)^2.
+  struct SquaresPass {
+    const T* x;
+    Vec centre;
+    Sums<1> sums;
+    SquaresPass(const T* data, acc_t c) : x(data), centre(c) {}
+    template <typename C, typename L>
+    C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
+      Vec v[P];
+      if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+      for (int q = 0; q < P; ++q) {
+        Vec d = v[q] - centre;
+        // Lanes past the row must not add (0 - centre)^2.
+        if (lanes < K) d = Vec::set(Vec(acc_t(0)), d, std::clamp<int64_t>(lanes - q * W, 0, W));
+        sums.run[0][c + q] = at::vec::fmadd(d, d, sums.run[0][c + q]);
+      }
+    }
+    void flush() { sums.template flush<true>(); }
+  };
+
+  // The backward's sums of dy and dy * (x - mean), dy and x as the
+  // epilogue's bound (epilogue.h) turns them. Zero-filled dy lanes of a
+  // partial chunk add nothing to either sum.
+  template <typename Bound>
+  struct GradSumsPass {
+    const T *x, *dy;
+    Vec mean;
+    [[no_unique_address]] Bound bound;
+    Sums<2> sums;
+    GradSumsPass(const T* data, const T* grad, acc_t m, Bound b) : x(data), dy(grad), mean(m), bound(b) {}
+    template <typename C, typename L>
+    C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
       Vec xv[P], dv[P];
       if (lanes == K) {
         IO::load(dy + off, dv);
@@ -188,11 +229,36 @@ struct PlaneKernels {
       }
       bound.apply(off, lanes, xv, dv);
       for (int q = 0; q < P; ++q) {
-        st.run[0][c + q] = st.run[0][c + q] + dv[q];
-        st.run[1][c + q] = at::vec::fmadd(dv[q], xv[q] - m, st.run[1][c + q]);
+        sums.run[0][c + q] = sums.run[0][c + q] + dv[q];
+        sums.run[1][c + q] = at::vec::fmadd(dv[q], xv[q] - mean, sums.run[1][c + q]);
       }
-    }, [&] { st.flush(); });
-    out.at(k, blk.slot) = {st.total(0), st.total(1)};
+    }
+    void flush() { sums.flush(); }
+  };
+
+  // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
+  // max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
+  static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
+    const int64_t n = blk.s1 - blk.s0;
+    SumMaxPass first(x);
+    walk_plane_rows(e, blk, x, nullptr, first);
+    const double count = static_cast<double>((blk.o1 - blk.o0) * n);
+    const double sum_x = first.sums.total(0);
+    const acc_t centre = exact_centre<acc_t>(sum_x / count, first.max_all());
+    SquaresPass second(x, centre);
+    walk_plane_rows(e, blk, x, nullptr, second);
+    out.at(blk.channel, blk.slot) = math::centred_moments(count, sum_x, centre, second.sums.total(0));
+  }
+
+  // The block's exact sum(dy) and sum(dy * (x - mean)); with an epilogue,
+  // of dz and of the value it centres (epilogue.h).
+  template <typename E = PlainEpilogue<T>>
+  static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
+                        Partials<math::GradSums<double>>& out, const E& ep = E{}) {
+    const int64_t k = blk.channel;
+    GradSumsPass<decltype(ep.plane(k))> pass(x, dy, mean[k], ep.plane(k));
+    walk_plane_rows(e, blk, x, dy, pass);
+    out.at(k, blk.slot) = {pass.sums.total(0), pass.sums.total(1)};
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
