@@ -56,7 +56,7 @@ struct PlaneKernels {
   struct Sums {
     static constexpr auto kAll = std::make_integer_sequence<int, N * kChains>{};
     Vec sum[N][kChains], err[N][kChains], run[N][kChains];
-    Sums() { zero(kAll); }
+    C10_ALWAYS_INLINE Sums() { zero(kAll); }
     // Moves every run into its compensated sum; kNonNegative when all terms
     // are >= 0 (the cheaper add_exact_nonnegative is then exact).
     template <bool kNonNegative = false>
@@ -164,7 +164,7 @@ struct PlaneKernels {
     const T* x;
     Sums<1> sums;
     Vec max_abs[kChains];
-    explicit SumMaxPass(const T* data) : x(data) {
+    C10_ALWAYS_INLINE explicit SumMaxPass(const T* data) : x(data) {
       // Not a range for: its pointer walk would keep the pass in memory (see Sums).
       for (int c = 0; c < kChains; ++c) max_abs[c] = Vec(acc_t(0));
     }
@@ -177,7 +177,7 @@ struct PlaneKernels {
         max_abs[c + q] = at::vec::clamp_min(v[q].abs(), max_abs[c + q]);
       }
     }
-    void flush() {}
+    C10_ALWAYS_INLINE void flush() {}
     C10_ALWAYS_INLINE acc_t max_all() const { return max_of(std::make_integer_sequence<int, kChains>{}); }
     template <int... I>
     C10_ALWAYS_INLINE acc_t max_of(std::integer_sequence<int, I...>) const {  // constant indices, as in Sums
@@ -192,7 +192,7 @@ struct PlaneKernels {
     const T* x;
     Vec centre;
     Sums<1> sums;
-    SquaresPass(const T* data, acc_t c) : x(data), centre(c) {}
+    C10_ALWAYS_INLINE SquaresPass(const T* data, acc_t c) : x(data), centre(c) {}
     template <typename C, typename L>
     C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
       Vec v[P];
@@ -204,7 +204,7 @@ struct PlaneKernels {
         sums.run[0][c + q] = at::vec::fmadd(d, d, sums.run[0][c + q]);
       }
     }
-    void flush() { sums.template flush<true>(); }
+    C10_ALWAYS_INLINE void flush() { sums.template flush<true>(); }
   };
 
   // The backward's sums of dy and dy * (x - mean), dy and x as the
@@ -216,7 +216,8 @@ struct PlaneKernels {
     Vec mean;
     [[no_unique_address]] Bound bound;
     Sums<2> sums;
-    GradSumsPass(const T* data, const T* grad, acc_t m, Bound b) : x(data), dy(grad), mean(m), bound(b) {}
+    C10_ALWAYS_INLINE GradSumsPass(const T* data, const T* grad, acc_t m, Bound b)
+        : x(data), dy(grad), mean(m), bound(b) {}
     template <typename C, typename L>
     C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
       Vec xv[P], dv[P];
@@ -233,7 +234,7 @@ struct PlaneKernels {
         sums.run[1][c + q] = at::vec::fmadd(dv[q], xv[q] - mean, sums.run[1][c + q]);
       }
     }
-    void flush() { sums.flush(); }
+    C10_ALWAYS_INLINE void flush() { sums.flush(); }
   };
 
   // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
