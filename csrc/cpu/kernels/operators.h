@@ -46,13 +46,17 @@ void affine_block(const Blocks& b, const T* x, const T* y, T* out, const Extent&
 }
 
 // affine_block over the whole array, for an elementwise pass that follows no
-// reduction (frozen statistics, the split-stage grad_input): planes are
-// walked in memory order.
+// reduction (frozen statistics, the split-stage grad_input): planes, and
+// rows, are walked in memory order.
 template <typename T, typename E = PlainEpilogue<T>>
 void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e,
                 const math::AffineArrays<at::opmath_type<T>>& c, const E& ep = E{}) {
   if (!b.planes) {
-    for_each_block(b, e, false, [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); });
+    // Whole rows per thread: column blocks would cut each row into segments
+    // of a page or less, where the hardware prefetchers stop.
+    at::parallel_for(0, e.outer, grain_for(e, e.outer), [&](int64_t o0, int64_t o1) {
+      RowKernels<T>::affine(x, y, out, e, Block{o0, o1, 0, e.channels, 0, 0}, c, ep);
+    });
     return;
   }
   const int64_t planes = e.outer * e.channels;
