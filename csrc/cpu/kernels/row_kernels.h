@@ -26,29 +26,6 @@ struct RowKernels {
   static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
   static constexpr int P = IO::kParts;                       // Vecs of a chunk
 
-  // Rows of up to this many bytes (64-256 float32 channels) are walked one
-  // after the other, a sequential stream; wider ones a chunk of channels at
-  // a time over several rows, which keeps that chunk's accumulators or
-  // coefficients in registers. On narrow rows the chunk-at-a-time walk jumps
-  // between lines of several rows, which costs the prefetchers more than it
-  // saves (one thread: statistics 15-45% faster on 64-256 channels, 33%
-  // slower on 1024).
-  static constexpr int64_t kSequentialRowBytes = 1024;
-  static bool sequential(int64_t channels) { return channels * static_cast<int64_t>(sizeof(T)) <= kSequentialRowBytes; }
-
-  // One run of rows [r0, r1) of a narrow block, row after row: term(offset,
-  // j) for every full chunk j of each row, then done(j) for every chunk. The
-  // terms' plain sums are kept in L1 arrays by the caller, so that they add
-  // up in the same order as the chunk-at-a-time walk's registers: both walks
-  // give the same bits.
-  template <typename Term, typename Done>
-  static void row_major_run(int64_t C, int64_t c0, int64_t vec_end, int64_t r0, int64_t r1, const Term& term,
-                            const Done& done) {
-    for (int64_t o = r0; o < r1; ++o)
-      for (int64_t j = 0; j < vec_end; j += K) term(o * C + c0 + j, j);
-    for (int64_t j = 0; j < vec_end; j += K) done(j);
-  }
-
   // Compensated per-channel accumulators of a block, in L1.
   struct ColumnSums {
     alignas(64) acc_t sum[kColumnBlock];
@@ -84,25 +61,10 @@ struct RowKernels {
     alignas(64) acc_t max_abs[kColumnBlock];
     alignas(64) acc_t centre[kColumnBlock];
     std::fill(max_abs, max_abs + nc, acc_t(0));
-    const bool by_rows = sequential(nc);
-    alignas(64) acc_t run[kColumnBlock];  // a run's plain sums, when by_rows
     Vec v[P];
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      if (by_rows) {
-        std::fill(run, run + vec_end, acc_t(0));
-        row_major_run(C, c0, vec_end, r0, r1, [&](int64_t off, int64_t j) {
-          IO::load(x + off, v);
-          for (int q = 0; q < P; ++q) {
-            const int64_t jq = j + q * W;
-            (Vec::loadu(run + jq) + v[q]).store(run + jq);
-            at::vec::clamp_min(v[q].abs(), Vec::loadu(max_abs + jq)).store(max_abs + jq);
-          }
-        }, [&](int64_t j) {
-          for (int q = 0; q < P; ++q) sx.add(j + q * W, Vec::loadu(run + j + q * W));
-        });
-      }
-      for (int64_t j = 0; j < (by_rows ? 0 : vec_end); j += K) {
+      for (int64_t j = 0; j < vec_end; j += K) {
         Vec a[P], mx[P];
         for (int q = 0; q < P; ++q) {
           a[q] = Vec(acc_t(0));
@@ -133,20 +95,7 @@ struct RowKernels {
     ColumnSums sd(nc);
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      if (by_rows) {
-        std::fill(run, run + vec_end, acc_t(0));
-        row_major_run(C, c0, vec_end, r0, r1, [&](int64_t off, int64_t j) {
-          IO::load(x + off, v);
-          for (int q = 0; q < P; ++q) {
-            const int64_t jq = j + q * W;
-            const Vec d = v[q] - Vec::loadu(centre + jq);
-            at::vec::fmadd(d, d, Vec::loadu(run + jq)).store(run + jq);
-          }
-        }, [&](int64_t j) {
-          for (int q = 0; q < P; ++q) sd.add_nonnegative(j + q * W, Vec::loadu(run + j + q * W));
-        });
-      }
-      for (int64_t j = 0; j < (by_rows ? 0 : vec_end); j += K) {
+      for (int64_t j = 0; j < vec_end; j += K) {
         Vec a[P], cv[P];
         for (int q = 0; q < P; ++q) {
           a[q] = Vec(acc_t(0));
@@ -181,31 +130,10 @@ struct RowKernels {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
-    const bool by_rows = sequential(nc);
-    alignas(64) acc_t run_dy[kColumnBlock], run_dy_xc[kColumnBlock];  // when by_rows
     Vec xv[P], dv[P];
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      if (by_rows) {
-        std::fill(run_dy, run_dy + vec_end, acc_t(0));
-        std::fill(run_dy_xc, run_dy_xc + vec_end, acc_t(0));
-        row_major_run(C, c0, vec_end, r0, r1, [&](int64_t off, int64_t j) {
-          IO::load(dy + off, dv);
-          IO::load(x + off, xv);
-          ep.columns(c0 + j).apply(off, K, xv, dv);
-          for (int q = 0; q < P; ++q) {
-            const int64_t jq = j + q * W;
-            (Vec::loadu(run_dy + jq) + dv[q]).store(run_dy + jq);
-            at::vec::fmadd(dv[q], xv[q] - Vec::loadu(mean + c0 + jq), Vec::loadu(run_dy_xc + jq)).store(run_dy_xc + jq);
-          }
-        }, [&](int64_t j) {
-          for (int q = 0; q < P; ++q) {
-            sum_dy.add(j + q * W, Vec::loadu(run_dy + j + q * W));
-            sum_dy_xc.add(j + q * W, Vec::loadu(run_dy_xc + j + q * W));
-          }
-        });
-      }
-      for (int64_t j = 0; j < (by_rows ? 0 : vec_end); j += K) {
+      for (int64_t j = 0; j < vec_end; j += K) {
         Vec run_dy[P], run_dy_xc[P], m[P];
         for (int q = 0; q < P; ++q) {
           run_dy[q] = run_dy_xc[q] = Vec(acc_t(0));
@@ -254,6 +182,7 @@ struct RowKernels {
     // three or four coefficient vectors per data vector, L1 loads, not
     // memory, bounded the single-row loop on wide layers.
     constexpr int64_t kAffineRows = 4;
+    constexpr int64_t kSequentialRowBytes = 1024;
     int64_t o = blk.o0;
     auto rows = [&](auto n) {
       constexpr int64_t R = decltype(n)::value;
@@ -289,8 +218,11 @@ struct RowKernels {
         for (int64_t k = j; k < c1; ++k) out[(o + r) * C + k] = scalar(x, y, (o + r) * C + k, k, c, ep);
       o += R;
     };
-    // Narrow rows go one after the other (see kSequentialRowBytes).
-    if (!sequential(c1 - c0))
+    // Narrow rows go one after the other, one sequential stream: four rows
+    // per chunk would jump between lines of four rows, which on rows of a
+    // few hundred bytes costs the prefetchers more than the coefficient
+    // loads it saves.
+    if ((c1 - c0) * static_cast<int64_t>(sizeof(T)) > kSequentialRowBytes)
       while (o + kAffineRows <= blk.o1) rows(std::integral_constant<int64_t, kAffineRows>{});
     while (o < blk.o1) rows(std::integral_constant<int64_t, 1>{});
   }
