@@ -73,42 +73,30 @@ std::vector<int64_t> kernel_from_logical(const ChannelPlan& plan) {
 }
 }  // namespace
 
-namespace {
-// The common case: per-channel values in kernel order, a contiguous CPU vector.
-bool channels_in_order(const at::Tensor& t, const ChannelPlan& plan) {
-  return plan.kept_kernel == plan.kept_logical && t.is_contiguous() && t.is_cpu();
-}
-}  // namespace
-
-// The common case is converted by a plain loop (TensorIterator's set-up
-// costs more than the copy of a few channels).
+// The CPU operators' per-channel values. The common case, a contiguous
+// vector in kernel order, is converted by a plain loop (TensorIterator's
+// set-up costs more than the copy of a few channels).
 void load_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan, double fill,
                           const at::Tensor& like, double* out) {
   if (!t.has_value()) {
     std::fill_n(out, plan.channels, fill);
     return;
   }
-  if (channels_in_order(*t, plan)) {
+  if (plan.kept_kernel == plan.kept_logical && t->is_contiguous()) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t->scalar_type(), "load_kernel_channels", [&] {
       const scalar_t* in = t->const_data_ptr<scalar_t>();
       for (int64_t k = 0; k < plan.channels; ++k) out[k] = static_cast<double>(in[k]);
     });
     return;
   }
-  const at::Tensor v = to_kernel_channels(t, plan, at::kDouble, fill, like).cpu();
+  const at::Tensor v = to_kernel_channels(t, plan, at::kDouble, fill, like);
   std::copy_n(v.const_data_ptr<double>(), plan.channels, out);
 }
 
+// The CUDA operators' per-channel tensors (and the CPU's permuted forms).
 at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan,
                               at::ScalarType dtype, double fill, const at::Tensor& like) {
-  if (!t.has_value() || channels_in_order(*t, plan)) {
-    if (t.has_value() && t->scalar_type() == dtype) return t->dim() == 1 ? *t : t->view({plan.channels});
-    at::Tensor v = at::empty({plan.channels}, like.options().dtype(dtype));
-    if (dtype == at::kDouble && v.is_cpu()) load_kernel_channels(t, plan, fill, like, v.mutable_data_ptr<double>());
-    else if (!t.has_value()) v.fill_(fill);
-    else v.copy_(t->view({plan.channels}));
-    return v;
-  }
+  if (!t.has_value()) return at::full({plan.channels}, fill, like.options().dtype(dtype));
   if (plan.kept_kernel == plan.kept_logical) return t->reshape({plan.channels}).to(dtype).contiguous();
   return t->reshape(sizes_of(like, plan.kept_logical))
       .permute(kernel_from_logical(plan))
@@ -136,10 +124,6 @@ at::Tensor kernel_channels_result(const double* v, const ChannelPlan& plan, at::
 
 at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan, at::ScalarType dtype,
                                 const at::Tensor& like) {
-  if (plan.kept_kernel == plan.kept_logical && v.is_cpu() && v.scalar_type() == at::kDouble && v.is_contiguous()) {
-    if (dtype == at::kDouble) return v.view(plan.stats_shape);
-    return kernel_channels_result(v.const_data_ptr<double>(), plan, dtype, like);
-  }
   if (plan.kept_kernel == plan.kept_logical) return v.reshape(plan.stats_shape).to(dtype).contiguous();
   const auto to_logical = kernel_from_logical(plan);
   std::vector<int64_t> inverse(to_logical.size());

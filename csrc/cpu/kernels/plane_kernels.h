@@ -214,7 +214,7 @@ struct PlaneKernels {
   struct GradSumsPass {
     const T *x, *dy;
     Vec mean;
-    [[no_unique_address]] Bound bound;
+    Bound bound;
     Sums<2> sums;
     C10_ALWAYS_INLINE GradSumsPass(const T* data, const T* grad, acc_t m, Bound b)
         : x(data), dy(grad), mean(m), bound(b) {}
