@@ -3,6 +3,8 @@
 //
 // First-order gradients run the fused backward operator. What the node saves:
 // * relu, leaky_relu: src and the output dst (act' from dst's sign), never z;
+//   in eager CPU calls also dst's sign bits, which the backward reads instead
+//   of dst (1/32 of the traffic of a float32 dst);
 // * identity: src; silu: src and residual (z is recomputed);
 // * memory_saving: dst and residual only (the backward runs from_output).
 // Double backward, and gradients reaching the returned statistics or frozen
@@ -18,6 +20,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <array>
@@ -44,13 +47,24 @@ const auto& act_forward_op() {
   return op;
 }
 
+const auto& act_forward_sign_bits_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torch_bn_grad::batch_norm_act_forward_sign_bits", "")
+          .typed<Outputs4(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
+                          const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
+                          c10::string_view)>();
+  return op;
+}
+
 const auto& act_backward_op() {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("torch_bn_grad::batch_norm_act_backward", "")
           .typed<Outputs4(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
                           const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double,
-                          c10::string_view, double, c10::string_view, bool, bool, std::array<bool, 4>)>();
+                          c10::string_view, double, c10::string_view, bool, bool, std::array<bool, 4>,
+                          const OptionalTensor&)>();
   return op;
 }
 
@@ -83,8 +97,22 @@ at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::st
   return stats.reshape_symint(shape);
 }
 
+// Whether the forward may return dst's sign bits: plain CPU tensors in eager
+// mode. Under tracing (fake, functional or batched tensors, torch.func
+// transforms, Python dispatch modes) the graph keeps the plain operators,
+// which inductor's rewrites know.
+bool eager_cpu(const at::Tensor& t) {
+  static const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                           c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                           c10::DispatchKey::FuncTorchGradWrapper,
+                                           c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+                                           c10::DispatchKey::FuncTorchDynamicLayerBackMode});
+  return t.device().is_cpu() && !t.key_set().has_any(traced) &&
+         !c10::impl::tls_local_dispatch_key_set().included_.has_any(traced);
+}
+
 struct ActForwardNode : public torch::autograd::Node {
-  SavedVariable src, dst, residual, mean, variance, gamma, beta;
+  SavedVariable src, dst, dst_positive, residual, mean, variance, gamma, beta;
   double epsilon = 0, slope = 0;
   std::string activation, data_format;
   bool training = true, memory_saving = false, has_residual = false;
@@ -112,7 +140,7 @@ struct ActForwardNode : public torch::autograd::Node {
       return act_backward_op().call(grads[0], optional(src.unpack(self)), optional(dst.unpack(self)),
                                     optional(residual.unpack(self)), m, v, in_dtype(g, m.scalar_type()),
                                     in_dtype(b, m.scalar_type()), epsilon, activation, slope, data_format,
-                                    training, memory_saving, mask);
+                                    training, memory_saving, mask, optional(dst_positive.unpack(self)));
     }();
     if (mask[0]) out[0] = diff_src;
     if (mask[1]) out[1] = diff_gamma.to(g.scalar_type());
@@ -161,7 +189,8 @@ struct ActForwardNode : public torch::autograd::Node {
   }
 
   void release_variables() override {
-    for (SavedVariable* saved : {&src, &dst, &residual, &mean, &variance, &gamma, &beta}) saved->reset_data();
+    for (SavedVariable* saved : {&src, &dst, &dst_positive, &residual, &mean, &variance, &gamma, &beta})
+      saved->reset_data();
   }
 };
 
@@ -180,8 +209,18 @@ Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTe
     node = c10::make_intrusive<ActForwardNode>();
     node->set_next_edges(torch::autograd::collect_next_edges(src, gamma, beta, mean, variance, residual));
   }
-  auto outputs = [&] {
+  const bool gate_from_dst = activation == "relu" || activation == "leaky_relu";
+  const bool sign_bits = node && gate_from_dst && !memory_saving && eager_cpu(src) &&
+                         !(given(residual) && !eager_cpu(*residual));
+  at::Tensor positive;
+  auto outputs = [&]() -> Outputs3 {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (sign_bits) {
+      auto [d, m, v, bits] = act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual, epsilon,
+                                                             activation, negative_slope, data_format);
+      positive = bits;
+      return {d, m, v};
+    }
     return act_forward_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
                                  data_format, memory_saving);
   }();
@@ -191,10 +230,13 @@ Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTe
   torch::autograd::set_history(mean_used, node);
   torch::autograd::set_history(variance_used, node);
   const bool training = !given(mean);
-  const bool keep_dst = memory_saving || activation == "relu" || activation == "leaky_relu";
+  // dst is kept with its sign bits too: double backward reads it.
+  const bool keep_dst = memory_saving || gate_from_dst;
   const bool keep_residual = memory_saving || activation == "silu";
   if (!memory_saving) node->src = SavedVariable(src, false);
   if (keep_dst) node->dst = SavedVariable(dst, true);
+  // Empty where the CPU kernels cannot write the bits for this layout.
+  if (positive.numel() > 0) node->dst_positive = SavedVariable(positive, false);
   if (keep_residual) node->residual = SavedVariable(or_undefined(residual), false);
   // Batch statistics saved as returned, frozen ones as given, so that double
   // backward reaches whichever the data depends on.
@@ -230,7 +272,7 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
                                           const OptionalTensor& gamma, const OptionalTensor& beta, double epsilon,
                                           c10::string_view activation, double negative_slope,
                                           c10::string_view data_format, bool training, bool from_output,
-                                          std::array<bool, 4> output_mask) {
+                                          std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
   c10::intrusive_ptr<ActBackwardRefusal> node;
   if (torch::autograd::compute_requires_grad(diff_dst, src, dst, residual, mean, variance, gamma, beta)) {
     node = c10::make_intrusive<ActBackwardRefusal>();
@@ -240,7 +282,7 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
   auto outputs = [&] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return act_backward_op().call(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation,
-                                  negative_slope, data_format, training, from_output, output_mask);
+                                  negative_slope, data_format, training, from_output, output_mask, dst_positive);
   }();
   if (node) {
     auto& [a, b, c, d] = outputs;

@@ -317,16 +317,21 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
                                 const at::Tensor& mean, const at::Tensor& variance,
                                 const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
                                 double epsilon, c10::string_view activation, double negative_slope,
-                                c10::string_view data_format, bool from_output) {
+                                c10::string_view data_format, bool from_output,
+                                const std::optional<at::Tensor>& dst_positive) {
   const char* op = "batch_norm_act_backward";
   const act::Kind kind = check_activation(op, activation, negative_slope);
   TORCH_CHECK_VALUE(!from_output || act::invertible(kind, negative_slope), op,
                     ": from_output needs an invertible activation ('identity', or 'leaky_relu' with "
                     "negative_slope > 0), got activation='", std::string(activation), "', negative_slope=",
                     negative_slope);
+  const bool gate_from_dst = kind == act::Kind::relu || kind == act::Kind::leaky_relu;
+  TORCH_CHECK_VALUE(!dst_positive.has_value() || (gate_from_dst && !from_output), op,
+                    ": dst_positive is read for activation 'relu' or 'leaky_relu' without from_output, got "
+                    "activation='", std::string(activation), "', from_output=", from_output ? "True" : "False");
   // What the kernels read: the data (src, or dst from the output), and dst
-  // for act' of relu/leaky_relu.
-  const bool needs_dst = from_output || kind == act::Kind::relu || kind == act::Kind::leaky_relu;
+  // (or its sign bits) for act' of relu/leaky_relu.
+  const bool needs_dst = from_output || (gate_from_dst && !dst_positive.has_value());
   TORCH_CHECK_VALUE(from_output || src.has_value(), op, ": src must be given unless from_output=True, got None");
   TORCH_CHECK_VALUE(!needs_dst || dst.has_value(), op, ": dst must be given for activation='",
                     std::string(activation), "'", from_output ? " with from_output=True" : "", ", got None");
@@ -335,6 +340,16 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   check_same_like_src(op, "diff_dst", diff_dst, data);
   if (!from_output && dst.has_value()) check_same_like_src(op, "dst", *dst, data);
   if (residual.has_value()) check_same_like_src(op, "residual", *residual, data);
+  if (dst_positive.has_value()) {
+    const at::Tensor& bits = *dst_positive;
+    check_same_device(op, "dst_positive", bits, data);
+    TORCH_CHECK_TYPE(bits.scalar_type() == at::kByte, op, ": dst_positive must have dtype torch.uint8, got ",
+                     dtype_name(bits.scalar_type()));
+    const int64_t bytes = sign_bits_bytes(data.numel());
+    TORCH_CHECK_VALUE(bits.dim() == 1 && bits.size(0) == bytes && bits.is_contiguous(), op,
+                      ": dst_positive must be a contiguous 1-D tensor of ", bytes,
+                      " bytes (batch_norm_act_forward_sign_bits' for this src), got shape ", bits.sizes());
+  }
   std::vector<int64_t> stats_shape;
   check_same_device(op, "mean", mean, data);
   check_param_dtype(op, "mean", mean, data, nullptr, nullptr);

@@ -69,7 +69,12 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
                                 const at::Tensor& mean, const at::Tensor& variance,
                                 const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
                                 double epsilon, c10::string_view activation, double negative_slope,
-                                c10::string_view data_format, bool from_output);
+                                c10::string_view data_format, bool from_output,
+                                const std::optional<at::Tensor>& dst_positive);
+
+// Bytes of the fused forward's sign bits of dst (bit i: dst[i] > 0, in the
+// kernel's element order, eight to a byte; cpu/kernels/sign_bits.h).
+inline int64_t sign_bits_bytes(int64_t numel) { return ceil_div(numel, 8); }
 
 // The split-stage operators' arguments (1-D statistics only; per-channel
 // statistics float64 of shape (C,), packed rows (rows, C)), and their plan.

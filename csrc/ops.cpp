@@ -82,6 +82,16 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "batch_norm_act_forward(Tensor src, Tensor? gamma, Tensor? beta, Tensor? mean, Tensor? variance, "
       "Tensor? residual, float epsilon, str activation, float negative_slope, str data_format, "
       "bool memory_saving) -> (Tensor dst, Tensor mean, Tensor variance)");
+  // The same, also returning dst's sign bits for the backward's relu /
+  // leaky_relu gate: dst_positive, uint8 of ceil(numel / 8) bytes, bit i (least
+  // significant first) dst[i] > 0 in the CPU kernels' element order; empty
+  // where the kernels cannot write them in their pass (layouts whose rows do
+  // not start on a byte, float64 on some ISAs). What the autograd formula
+  // saves on CPU instead of reading dst back (CPU only).
+  m.def(
+      "batch_norm_act_forward_sign_bits(Tensor src, Tensor? gamma, Tensor? beta, Tensor? mean, Tensor? variance, "
+      "Tensor? residual, float epsilon, str activation, float negative_slope, str data_format) "
+      "-> (Tensor dst, Tensor mean, Tensor variance, Tensor dst_positive)");
   // Its gradient, in two passes over the data: the sums of dz and dz * (x - mean),
   // dz = diff_dst * act'(z), then diff_src (and diff_residual = dz). act' is read
   // from dst for relu/leaky_relu (dst > 0 iff z > 0), recomputed from src (and
@@ -92,11 +102,13 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // invertible (identity, leaky_relu with negative_slope > 0), and a gamma with
   // zeros gives inf/nan (the caller's problem, as in inplace_abn). The residual
   // passed must be the forward's (silu and from_output read it).
+  // dst_positive (the sign-bits forward's, with the same src) replaces dst as
+  // the source of relu / leaky_relu's act'.
   // Masked outputs come back empty; diff_residual is dz, of src's shape.
   m.def(
       "batch_norm_act_backward(Tensor diff_dst, Tensor? src, Tensor? dst, Tensor? residual, Tensor mean, "
       "Tensor variance, Tensor? gamma, Tensor? beta, float epsilon, str activation, float negative_slope, "
-      "str data_format, bool training, bool from_output, bool[4] output_mask) "
+      "str data_format, bool training, bool from_output, bool[4] output_mask, Tensor? dst_positive=None) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_residual)");
   // torch BatchNorm's running-statistics update in place, with momentum and
   // the unbiased variance of `count` elements per channel (count 0: no

@@ -107,9 +107,20 @@ def _batch_norm_act_forward_fake(src, gamma, beta, mean, variance, residual, eps
     return _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_format)
 
 
+@torch.library.register_fake("torch_bn_grad::batch_norm_act_forward_sign_bits")
+def _batch_norm_act_forward_sign_bits_fake(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                           negative_slope, data_format):
+    dst, mean_out, variance_out = _batch_norm_act_forward_fake(
+        src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, False)
+    # (numel + 7) // 8 bytes, or none where the kernels cannot write the bits
+    # (a layout and ISA matter): a size known only when the kernel runs.
+    size = torch.library.get_ctx().new_dynamic_size()
+    return dst, mean_out, variance_out, src.new_empty(size, dtype=torch.uint8)
+
+
 @torch.library.register_fake("torch_bn_grad::batch_norm_act_backward")
 def _batch_norm_act_backward_fake(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation,
-                                  negative_slope, data_format, training, from_output, output_mask):
+                                  negative_slope, data_format, training, from_output, output_mask, dst_positive=None):
     op = "batch_norm_act_backward"
     data = dst if from_output else src
     torch._check_value(data is not None, lambda: f"{op}: {'dst' if from_output else 'src'} must be given, got None")

@@ -42,9 +42,10 @@ def _act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation
 
 
 def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation, negative_slope,
-                  data_format, training, from_output, output_mask):
+                  data_format, training, from_output, output_mask, dst_positive=None):
     op = torch.ops.torch_bn_grad.batch_norm_act_backward.default
-    if not config.compile_lowering or from_output or src is None or diff_dst.dtype != src.dtype:
+    if (not config.compile_lowering or from_output or src is None or diff_dst.dtype != src.dtype
+            or dst_positive is not None):
         return _inductor._opaque(op)
     form = _inductor._form(src, mean, data_format)
     if form is None or _inductor._layout(diff_dst) is None:

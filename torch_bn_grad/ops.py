@@ -125,6 +125,7 @@ def batch_norm_act_backward(
     training: bool = True,
     from_output: bool = False,
     output_mask: Sequence[bool] = (True, True, True, True),
+    dst_positive: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients of :func:`batch_norm_act_forward`: ``(diff_src, diff_gamma, diff_beta, diff_residual)``.
 
@@ -135,6 +136,10 @@ def batch_norm_act_backward(
     with it). ``from_output=True`` reads ``dst`` instead of ``src`` (needs
     the forward's ``beta`` and ``residual`` and an invertible activation).
     ``training`` and ``output_mask`` as in :func:`batch_norm_backward`.
+    ``dst_positive`` (CPU): the sign bits of ``dst`` that
+    ``torch.ops.torch_bn_grad.batch_norm_act_forward_sign_bits`` returned for
+    this ``src``, read by relu and leaky_relu instead of ``dst`` (what the
+    autograd formula does in eager CPU calls).
     """
     op = "batch_norm_act_backward"
     check_data_format(op, data_format)
@@ -142,6 +147,6 @@ def batch_norm_act_backward(
     mask = output_mask_value(op, output_mask, ("diff_src", "diff_gamma", "diff_beta", "diff_residual"))
     outputs = torch.ops.torch_bn_grad.batch_norm_act_backward.default(
         diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon_value(op, epsilon), activation, slope,
-        data_format, bool(training), bool(from_output), mask,
+        data_format, bool(training), bool(from_output), mask, dst_positive,
     )
     return tuple(out if wanted else None for out, wanted in zip(outputs, mask))  # type: ignore[return-value]

@@ -21,10 +21,14 @@ at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan)
   return t.has_value() ? to_kernel_layout(*t, plan) : at::Tensor();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
-    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
-    const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
-    double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
+using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Both forward operators; the sign bits of dst (cpu/kernels/sign_bits.h) when
+// `sign_bits` and the kernels can write them for this layout, else an empty tensor.
+Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
+                     const OptionalTensor& mean, const OptionalTensor& variance, const OptionalTensor& residual,
+                     double epsilon, c10::string_view activation, double negative_slope,
+                     c10::string_view data_format, bool sign_bits) {
   const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
                                                  negative_slope, data_format);
   const ChannelPlan& plan = checked.plan;
@@ -34,6 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
   a.residual = layout_or_undefined(residual, plan);
   a.dst = out.buffer;
   a.extent = plan.extent();
+  // Empty where the layout or dtype does not fit the bits: the backward reads dst there.
+  const bool with_bits = sign_bits && act_kernel_table().sign_bits_fit(a.extent, src.scalar_type());
+  at::Tensor positive = at::empty({with_bits ? sign_bits_bytes(src.numel()) : 0}, src.options().dtype(at::kByte));
+  if (with_bits) a.dst_positive = positive;
   // Per-channel float64 vectors: gamma, beta, mean, variance.
   const int64_t C = plan.channels;
   std::vector<double> host(4 * C);
@@ -54,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
       act_kernel_table().forward(a);
       finish_kernel_output(out, plan);
     }
-    return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous)};
+    return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous),
+            positive};
   }
   if (plan.reduced_count() == 0) {
     std::fill_n(a.mean, 2 * C, std::numeric_limits<double>::quiet_NaN());
@@ -64,21 +73,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
   }
   const auto stats_dtype = accumulate_type(src.scalar_type());
   return {out.result, kernel_channels_result(a.mean, plan, stats_dtype, src),
-          kernel_channels_result(a.var, plan, stats_dtype, src)};
+          kernel_channels_result(a.var, plan, stats_dtype, src), positive};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
+    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
+    const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
+    double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
+  auto [dst, mean_used, variance_used, unused] =
+      act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, false);
+  return {dst, mean_used, variance_used};
+}
+
+Outputs4 batch_norm_act_forward_sign_bits_cpu(const at::Tensor& src, const OptionalTensor& gamma,
+                                              const OptionalTensor& beta, const OptionalTensor& mean,
+                                              const OptionalTensor& variance, const OptionalTensor& residual,
+                                              double epsilon, c10::string_view activation, double negative_slope,
+                                              c10::string_view data_format) {
+  return act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,
+                     true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cpu(
     const at::Tensor& diff_dst, const OptionalTensor& src, const OptionalTensor& dst, const OptionalTensor& residual,
     const at::Tensor& mean, const at::Tensor& variance, const OptionalTensor& gamma, const OptionalTensor& beta,
     double epsilon, c10::string_view activation, double negative_slope, c10::string_view data_format, bool training,
-    bool from_output, std::array<bool, 4> output_mask) {
+    bool from_output, std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
   const ActPlan checked = check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
-                                                  activation, negative_slope, data_format, from_output);
+                                                  activation, negative_slope, data_format, from_output, dst_positive);
   const ChannelPlan& plan = checked.plan;
   const at::Tensor& data = from_output ? *dst : *src;
   ActBackwardArgs a;
   a.data = to_kernel_layout(data, plan);
-  if (!from_output) a.output = layout_or_undefined(dst, plan);
+  if (dst_positive.has_value()) a.dst_positive = *dst_positive;
+  else if (!from_output) a.output = layout_or_undefined(dst, plan);
   a.residual = layout_or_undefined(residual, plan);
   a.diff_dst = to_kernel_layout(diff_dst, plan);
   a.extent = plan.extent();
@@ -126,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
   m.impl("batch_norm_act_forward", &batch_norm_act_forward_cpu);
+  m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_cpu);
   m.impl("batch_norm_act_backward", &batch_norm_act_backward_cpu);
 }
 

@@ -4,6 +4,8 @@
 // element (act::ScalarOps).
 //
 // Where the backward gets act'(z) from (activation_math.h):
+// * SignBitsGate: from the forward's sign bits of y (relu, leaky_relu;
+//   sign_bits.h), which ForwardAct writes when asked.
 // * OutputGate: from the forward's output y (relu, leaky_relu, identity);
 //   kFromOutput (memory saving) also reads y in place of x, the kernel then
 //   centring u = act^-1(y) - r (operators.h, backward_impl's `unit`).
@@ -15,6 +17,7 @@
 #include "activation_math.h"
 #include "batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
+#include "cpu/kernels/sign_bits.h"
 #include "cpu/kernels/vec_io.h"
 
 namespace torch_bn_grad::cpu {
@@ -52,14 +55,35 @@ struct GateBase {
   }
 };
 
-// The forward: out = act(out) before the store.
+// The forward: out = act(out) before the store; with `positive`, the sign
+// bits of what was stored (the rounded values: act' is read from them as from
+// the output).
 template <typename T, typename Act>
 struct ForwardAct : PlainEpilogue<T> {
   using typename PlainEpilogue<T>::acc_t;
   using typename PlainEpilogue<T>::Vec;
+  using IO = Io<T>;
+  static constexpr int P = IO::kParts;
   acc_t slope;
+  uint8_t* positive = nullptr;  // sign bits, in layouts where sign_bits_fit<T>
   void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
   acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
+  void stored(const T* out, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
+    constexpr int64_t K = IO::kChunk;
+    if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
+      if (!positive) return;
+      if constexpr (P == 1) {
+        write_bits<K>(positive, off, chunk_positive_bits<T>(v), static_cast<int>(lanes));
+      } else {
+        Vec rounded[P];
+        if (lanes == K) IO::load(out + off, rounded); else IO::load_partial(out + off, lanes, rounded);
+        write_bits<K>(positive, off, chunk_positive_bits<T>(rounded), static_cast<int>(lanes));
+      }
+    }
+  }
+  void scalar_stored(int64_t i, T value) const {
+    if (positive) write_bit(positive, i, static_cast<acc_t>(value) > acc_t(0));
+  }
 };
 
 // What both backward gates do with dz once they have it.
@@ -71,12 +95,37 @@ struct DzOut : GateBase<T> {
   T* dz = nullptr;  // diff_residual, or null
   void post(Vec&) const {}
   acc_t scalar_post(acc_t v) const { return v; }
+  void stored(const T*, int64_t, int64_t, const Vec (&)[P]) const {}
+  void scalar_stored(int64_t, T) const {}
   void store_dz(int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     if (dz) this->store(dz, off, lanes, v);
   }
   void scalar_store_dz(int64_t i, acc_t d) const {
     if (dz) dz[i] = static_cast<T>(d);
   }
+};
+
+// act'(z) from the forward's sign bits of y (relu, leaky_relu): act' is
+// `positive_grad` where y > 0, else `other_grad`.
+template <typename T, typename Act>
+struct SignBitsGate : DzOut<T> {
+  using typename DzOut<T>::acc_t;
+  using typename DzOut<T>::Vec;
+  static constexpr int P = DzOut<T>::P;
+  static constexpr int64_t W = Vec::size(), K = DzOut<T>::K;
+  const uint8_t* positive = nullptr;
+  int64_t bytes = 0;
+  acc_t positive_grad = 1, other_grad = 0;
+
+  void apply(int64_t off, int64_t, Vec (&)[P], Vec (&d)[P]) const {
+    // Bits past a partial chunk's lanes meet zero-filled dy lanes.
+    const uint32_t bits = read_bits(positive, bytes, off, static_cast<int>(K));
+    for (int q = 0; q < P; ++q)
+      d[q] = d[q] * select_bits(bits >> (q * W), Vec(positive_grad), Vec(other_grad));
+  }
+  const SignBitsGate& plane(int64_t) const { return *this; }
+  const SignBitsGate& columns(int64_t) const { return *this; }
+  void scalar(int64_t i, int64_t, acc_t&, acc_t& d) const { d *= read_bit(positive, i) ? positive_grad : other_grad; }
 };
 
 // act'(z) from the output y. Normal mode: the kernel's x is the input and

@@ -21,6 +21,7 @@ struct ActParams {
 struct ActForwardArgs {
   at::Tensor src, residual;  // residual may be undefined
   at::Tensor dst;            // output
+  at::Tensor dst_positive;   // output, or undefined: dst's sign bits (where sign_bits_fit), uint8
   Extent extent;
   const double *gamma, *beta;
   double *mean, *var;  // batch: written (batch statistics); frozen: read
@@ -32,6 +33,7 @@ struct ActForwardArgs {
 struct ActBackwardArgs {
   at::Tensor data;      // src, or the forward's dst when from_output
   at::Tensor output;    // the forward's dst (act' of relu/leaky_relu), when not from_output
+  at::Tensor dst_positive;  // the forward's sign bits of dst: read instead of `output` when defined
   at::Tensor residual;  // the forward's residual: silu's z, from_output's act^-1(y) - r
   at::Tensor diff_dst;
   at::Tensor diff_src, diff_residual;  // outputs (diff_src defined whenever diff_residual is)
@@ -46,6 +48,9 @@ struct ActBackwardArgs {
 struct ActKernelTable {
   void (*forward)(ActForwardArgs& a);
   void (*backward)(ActBackwardArgs& a);
+  // Whether the forward can write dst's sign bits (dst_positive) for this
+  // layout and dtype (cpu/kernels/sign_bits.h).
+  bool (*sign_bits_fit)(const Extent& e, at::ScalarType dtype);
 };
 
 const ActKernelTable& act_kernel_table();

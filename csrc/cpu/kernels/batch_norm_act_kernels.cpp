@@ -13,6 +13,7 @@
 #include "cpu/kernels/act_gates.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/kernels/operators.h"
+#include "cpu/kernels/sign_bits.h"
 
 #define TBG_ACT_CONCAT_IMPL(a, b) a##b
 #define TBG_ACT_CONCAT(a, b) TBG_ACT_CONCAT_IMPL(a, b)
@@ -38,6 +39,7 @@ void forward_impl(ActForwardArgs& a) {
   const T* x = a.src.const_data_ptr<T>();
   const T* r = data_or_null<T>(a.residual);
   T* y = a.dst.mutable_data_ptr<T>();
+  if (a.dst_positive.defined()) ep.positive = a.dst_positive.mutable_data_ptr<uint8_t>();
   if (a.batch) {
     forward_batch_impl<T>(x, r, y, a.extent, a.gamma, a.beta, a.epsilon, a.mean, a.var, ep);
   } else {
@@ -69,6 +71,18 @@ void backward_impl_act(ActBackwardArgs& a) {
         gate.slope = slope;
         gate.dz = dz;
         backward_impl<T>(x, dy, dx, e, beta, unit.data(), var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
+        return;
+      }
+    }
+    if constexpr (Act::kNeedsGate) {
+      if (a.dst_positive.defined()) {
+        SignBitsGate<T, Act> gate;
+        gate.positive = a.dst_positive.const_data_ptr<uint8_t>();
+        gate.bytes = a.dst_positive.numel();
+        gate.positive_grad = Act::template grad_from_output<act::ScalarOps>(acc_t(1), slope);
+        gate.other_grad = Act::template grad_from_output<act::ScalarOps>(acc_t(-1), slope);
+        gate.dz = dz;
+        backward_impl<T>(x, dy, dx, e, mean, nullptr, var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
         return;
       }
     }
@@ -106,11 +120,17 @@ void backward(ActBackwardArgs& a) {
   });
 }
 
+bool sign_bits_fit(const Extent& e, at::ScalarType dtype) {
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "batch_norm_act_sign_bits_fit",
+                                         [&] { return CPU_CAPABILITY::sign_bits_fit<scalar_t>(e); });
+}
+
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
 const ActKernelTable& TBG_ACT_CONCAT(act_kernel_table_, CPU_CAPABILITY)() {
-  static const ActKernelTable table{&CPU_CAPABILITY::forward, &CPU_CAPABILITY::backward};
+  static const ActKernelTable table{&CPU_CAPABILITY::forward, &CPU_CAPABILITY::backward,
+                                    &CPU_CAPABILITY::sign_bits_fit};
   return table;
 }
 

@@ -11,8 +11,11 @@
 //   saving backward reads the output there) and dy into dz = dy * act'(z).
 // * `store_dz(off, lanes, dz)`: writes dz (diff_residual) when asked for.
 // * `post(v)`: the forward's activation, applied before the store.
-// * `scalar(i, k, x, dy)`, `scalar_post(v)`, `scalar_store_dz(i, dz)`: the
-//   same for one element of channel k (the row kernels' tails).
+// * `stored(out, off, lanes, v)`: after out[off, off + lanes) was stored from v
+//   (the forward's sign bits, sign_bits.h).
+// * `scalar(i, k, x, dy)`, `scalar_post(v)`, `scalar_store_dz(i, dz)`,
+//   `scalar_stored(i, value)`: the same for one element of channel k (the row
+//   kernels' tails).
 #pragma once
 
 #include <cstdint>
@@ -36,9 +39,11 @@ struct PlainEpilogue {
   Bound columns(int64_t) const { return {}; }
   void store_dz(int64_t, int64_t, const Vec (&)[P]) const {}
   void post(Vec&) const {}
+  void stored(const T*, int64_t, int64_t, const Vec (&)[P]) const {}
   void scalar(int64_t, int64_t, acc_t&, acc_t&) const {}
   acc_t scalar_post(acc_t v) const { return v; }
   void scalar_store_dz(int64_t, acc_t) const {}
+  void scalar_stored(int64_t, T) const {}
 };
 
 }  // namespace

@@ -322,6 +322,7 @@ struct PlaneKernels {
         ep.post(xv[q]);
       }
       if (lanes == K) IO::store(out + off, xv); else IO::store_partial(out + off, lanes, xv);
+      ep.stored(out, off, lanes, xv);
     }
     C10_ALWAYS_INLINE void row(const T* x, const T* y, T* out, int64_t off, int64_t n, const E& ep) const {
       int64_t j = 0;

@@ -212,10 +212,15 @@ struct RowKernels {
             ep.post(xv[q]);
           }
           IO::store(out + off, xv);
+          ep.stored(out, off, K, xv);
         }
       }
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t k = j; k < c1; ++k) out[(o + r) * C + k] = scalar(x, y, (o + r) * C + k, k, c, ep);
+        for (int64_t k = j; k < c1; ++k) {
+          const int64_t i = (o + r) * C + k;
+          out[i] = scalar(x, y, i, k, c, ep);
+          ep.scalar_stored(i, out[i]);
+        }
       o += R;
     };
     // Narrow rows go one after the other, one sequential stream: four rows

@@ -1,0 +1,135 @@
+// The sign bits of the fused relu / leaky_relu forward: bit i is dst[i] > 0,
+// element i in the kernel's [outer, channels, inner] order, eight to a byte,
+// least significant bit first. The backward reads act'(z) from them instead of
+// from dst: 1/32 of a float32 stream (1/16 of a half-precision one) instead of
+// a whole one, in each of its two passes.
+//
+// The forward writes them in its elementwise pass, in layouts where every
+// block row starts on a byte (sign_bits_fit); elsewhere the backward reads dst.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu/kernels/partition.h"
+#include "cpu/kernels/vec_io.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+// Bit i of the result: lane i of v is > 0 (false for NaN).
+template <typename A>
+inline uint32_t positive_bits(const Vectorized<A>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ);
+  if constexpr (std::is_same_v<A, double>) return _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_GT_OQ);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>)
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ)));
+  if constexpr (std::is_same_v<A, double>)
+    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_GT_OQ)));
+#endif
+  alignas(64) A lanes[Vectorized<A>::size()];
+  v.store(lanes);
+  uint32_t bits = 0;
+  for (int i = 0; i < Vectorized<A>::size(); ++i) bits |= static_cast<uint32_t>(lanes[i] > A(0)) << i;
+  return bits;
+}
+
+// Lane i: `set` where bit i of `bits` is 1, else `clear`.
+template <typename A>
+inline Vectorized<A> select_bits(uint32_t bits, const Vectorized<A>& set, const Vectorized<A>& clear) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) return _mm512_mask_blend_ps(static_cast<__mmask16>(bits), clear, set);
+  if constexpr (std::is_same_v<A, double>) return _mm512_mask_blend_pd(static_cast<__mmask8>(bits), clear, set);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit),
+                                          lane_bit);
+    return _mm256_blendv_ps(clear, set, _mm256_castsi256_ps(on));
+  }
+  if constexpr (std::is_same_v<A, double>) {
+    const __m256i lane_bit = _mm256_setr_epi64x(1, 2, 4, 8);
+    const __m256i on = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(bits), lane_bit), lane_bit);
+    return _mm256_blendv_pd(clear, set, _mm256_castsi256_pd(on));
+  }
+#endif
+  alignas(64) A s[Vectorized<A>::size()], c[Vectorized<A>::size()];
+  set.store(s);
+  clear.store(c);
+  for (int i = 0; i < Vectorized<A>::size(); ++i)
+    if (!((bits >> i) & 1u)) s[i] = c[i];
+  return Vectorized<A>::loadu(s);
+}
+
+// The n (<= 32) bits of elements [i, i + n) of a packed array of `bytes`
+// bytes; any i. (Copies of constant size: the compiler makes them plain
+// loads and stores, where a variable size would call memcpy.)
+inline uint32_t read_bits(const uint8_t* packed, int64_t bytes, int64_t i, int n) {
+  const int64_t first = i >> 3;
+  uint64_t word = 0;
+  if (first + 8 <= bytes) {
+    std::memcpy(&word, packed + first, 8);
+  } else {
+    for (int64_t b = first; b < bytes; ++b) word |= static_cast<uint64_t>(packed[b]) << (8 * (b - first));
+  }
+  word >>= (i & 7);
+  return static_cast<uint32_t>(word & ((uint64_t(1) << n) - 1));
+}
+
+// Writes the n (<= 32) bits of elements [i, i + n), i a multiple of 8: whole
+// bytes, the last one's bits past n cleared (they belong to no element, or to
+// elements the same thread writes after them).
+template <int kMaxBits>
+inline void write_bits(uint8_t* packed, int64_t i, uint32_t bits, int n) {
+  static_assert(kMaxBits % 8 == 0 && kMaxBits <= 32);
+  uint8_t* p = packed + (i >> 3);
+  if (n == kMaxBits) {
+    std::memcpy(p, &bits, kMaxBits / 8);
+    return;
+  }
+  bits &= (1u << n) - 1;
+  for (int b = 0; b < (n + 7) / 8; ++b) p[b] = static_cast<uint8_t>(bits >> (8 * b));
+}
+
+inline bool read_bit(const uint8_t* packed, int64_t i) { return (packed[i >> 3] >> (i & 7)) & 1u; }
+
+// Sets bit i to `on`, keeping the other bits of its byte (one thread's own).
+inline void write_bit(uint8_t* packed, int64_t i, bool on) {
+  const uint8_t bit = static_cast<uint8_t>(1u << (i & 7));
+  packed[i >> 3] = on ? (packed[i >> 3] | bit) : (packed[i >> 3] & ~bit);
+}
+
+// The bits of one chunk of type-T data, from its accumulation-type vectors.
+template <typename T>
+inline uint32_t chunk_positive_bits(const typename Io<T>::Vec (&v)[Io<T>::kParts]) {
+  uint32_t bits = 0;
+  for (int q = 0; q < Io<T>::kParts; ++q) bits |= positive_bits(v[q]) << (q * Io<T>::kWidth);
+  return bits;
+}
+
+// Whether the elementwise pass writes the bits of type-T data in layout `e`:
+// chunks of whole bytes (write_bits), and every block row starting on a
+// byte, so that no byte is shared by two threads.
+template <typename T>
+bool sign_bits_fit(const Extent& e) {
+  constexpr int64_t K = Io<T>::kChunk;
+  if constexpr (K % 8 != 0 || K > 32) {
+    return false;
+  } else {
+    const Blocks b(e);
+    return b.planes ? e.inner % 8 == 0 && b.span_step % 8 == 0 : e.channels % 8 == 0;
+  }
+}
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu

@@ -1,0 +1,225 @@
+"""The fused forward's sign bits of dst (``batch_norm_act_forward_sign_bits``),
+which the relu / leaky_relu backward reads instead of dst on CPU: the bits, the
+gradients they give (bitwise those read from dst), which ISA and layout path
+wrote them, and when the autograd formula uses them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import torch_bn_grad
+from torch_bn_grad.functional import batch_norm_act
+
+EPS = 1e-5
+SLOPE = 0.1
+SIGN_BITS = torch.ops.torch_bn_grad.batch_norm_act_forward_sign_bits.default
+FORWARD = torch.ops.torch_bn_grad.batch_norm_act_forward.default
+
+# Layouts whose block rows start on a byte, where the forward writes the bits
+# (float32 and half precision, every ISA)...
+FIT = [
+    ((2, 24, 28, 28), False), ((1, 2, 256, 256), False), ((5, 40), False), ((600, 24), False), ((3, 20, 200), False),
+    ((4, 16, 7, 7), True), ((8, 64, 4, 4), True),
+]
+# ... and others, where it returns no bits: 7x7 and 14x14 planes, odd channel
+# counts, planes split into blocks of a width that is not a multiple of 8.
+NO_FIT = [((4, 16, 7, 7), False), ((4, 16, 14, 14), False), ((3, 13, 5, 5), False), ((2, 3, 150, 150), False),
+          ((3, 13, 5, 5), True), ((2, 20, 3, 3, 3), True)]
+SHAPES = FIT + NO_FIT
+
+
+def _kernel_order(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """The CPU kernels' element order: memory order for these layouts."""
+    if channels_last:
+        return t.movedim(1, -1).reshape(-1)
+    return t.reshape(-1)
+
+
+def _packed(y: torch.Tensor, channels_last: bool) -> np.ndarray:
+    return np.packbits((_kernel_order(y, channels_last) > 0).numpy(), bitorder="little")
+
+
+def _case(shape, channels_last, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format)
+    x = torch.randn(shape, generator=g).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=fmt)
+    r = torch.randn(shape, generator=g).to(dtype)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    w = torch.rand(shape[1], generator=g, dtype=pdt) + 0.5
+    b = torch.randn(shape[1], generator=g, dtype=pdt)
+    return x, r, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu"])
+def test_bits_are_dst_positive_and_gradients_equal_those_from_dst(activation, dtype):
+    for (shape, channels_last), with_residual, frozen in itertools.product(SHAPES, (False, True), (False, True)):
+        x, r, w, b = _case(shape, channels_last, dtype)
+        res = r if with_residual else None
+        m = torch.randn_like(w) if frozen else None
+        v = torch.rand_like(w) + 0.5 if frozen else None
+        y, mean, var, bits = SIGN_BITS(x, w, b, m, v, res, EPS, activation, SLOPE, "NCX")
+        y_plain, _, _ = FORWARD(x, w, b, m, v, res, EPS, activation, SLOPE, "NCX", False)
+        assert torch.equal(y, y_plain)
+        assert bits.dtype == torch.uint8
+        if (shape, channels_last) in NO_FIT or (dtype == torch.float64 and bits.numel() == 0):
+            assert bits.shape == (0,)  # float64 fits only where a vector holds 8 (AVX512)
+            continue
+        assert bits.shape == ((x.numel() + 7) // 8,)
+        np.testing.assert_array_equal(bits.numpy(), _packed(y, channels_last), err_msg=f"{shape} {channels_last}")
+        dy = torch.randn_like(x)
+        for mask in [(True, True, True, True), (True, False, False, False), (False, True, True, False),
+                     (False, False, False, True)]:
+            kw = dict(src=x, residual=res, activation=activation, negative_slope=SLOPE, training=not frozen,
+                      output_mask=mask)
+            from_dst = torch_bn_grad.batch_norm_act_backward(dy, mean, var, w, b, dst=y, **kw)
+            from_bits = torch_bn_grad.batch_norm_act_backward(dy, mean, var, w, b, dst_positive=bits, **kw)
+            for a, c in zip(from_dst, from_bits):
+                assert (a is None) == (c is None)
+                if a is not None:
+                    assert torch.equal(a, c), f"{shape} {channels_last} {mask}"
+
+
+def test_bits_of_rounded_output():
+    """The bits are those of the stored half-precision dst: values that round to 0 give 0."""
+    # z = 1e-9 * x: positive, but below float16's smallest subnormal except for x = 40 and 100.
+    x = torch.tensor([[-1.0, 1.0, 2.0, 40.0, -3.0, 5.0, 0.0, 100.0]]).t().contiguous().half()
+    w, b = torch.full((1,), 1e-9), torch.zeros(1)
+    mean, var = torch.zeros(1), torch.full((1,), 1.0 - EPS)
+    y, _, _, bits = SIGN_BITS(x, w, b, mean, var, None, EPS, "relu", 0.0, "NCX")
+    assert (y.flatten() > 0).tolist() == [False, False, False, True, False, False, False, True]
+    assert bits.numel() == 1
+    np.testing.assert_array_equal(bits.numpy(), _packed(y, False))
+
+
+_ISA_SCRIPT = r"""
+import json, numpy as np, torch, torch_bn_grad
+ops = torch.ops.torch_bn_grad
+g = torch.Generator().manual_seed(0)
+ok = []
+for shape, cl in [((2, 24, 28, 28), False), ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((300, 40), False)]:
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        x = torch.randn(shape, generator=g).to(dt)
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.rand(shape[1], generator=g, dtype=torch.float64 if dt == torch.float64 else torch.float32) + 0.5
+        b = torch.randn(shape[1], generator=g, dtype=w.dtype)
+        y, m, v, bits = ops.batch_norm_act_forward_sign_bits(x, w, b, None, None, None, 1e-5, "leaky_relu", 0.1, "NCX")
+        if bits.numel() == 0:
+            ok.append(dt == torch.float64)  # float64 bits need 8 lanes a vector (AVX512)
+            continue
+        flat = y.movedim(1, -1).reshape(-1) if cl else y.reshape(-1)
+        same_bits = np.array_equal(bits.numpy(), np.packbits((flat > 0).numpy(), bitorder="little"))
+        dy = torch.randn(shape, generator=g).to(dt)
+        a = torch_bn_grad.batch_norm_act_backward(dy, m, v, w, b, src=x, dst=y, activation="leaky_relu",
+                                                  negative_slope=0.1)
+        c = torch_bn_grad.batch_norm_act_backward(dy, m, v, w, b, src=x, dst_positive=bits, activation="leaky_relu",
+                                                  negative_slope=0.1)
+        ok.append(same_bits and all(torch.equal(p, q) for p, q in zip(a, c)))
+print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "ok": ok}))
+"""
+
+
+def test_every_isa_writes_and_reads_the_same_bits():
+    order = ["default", "avx2", "avx512"]
+    supported = torch.backends.cpu.get_cpu_capability().lower()
+    for isa in order[: order.index(supported) + 1] if supported in order else ["default"]:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
+        proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,
+                              check=True)
+        out = json.loads(proc.stdout)
+        assert out["isa"] == isa.upper()
+        assert all(out["ok"]), (isa, out["ok"])
+
+
+def _saved_tensors(fn):
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("activation,memory_saving,shape,uses_bits", [
+    ("relu", False, (4, 8, 6, 6), True), ("leaky_relu", False, (4, 8, 6, 6), True),
+    ("relu", False, (4, 6, 6, 6), False),  # 6 channels: rows do not start on a byte
+    ("silu", False, (4, 8, 6, 6), False), ("identity", False, (4, 8, 6, 6), False),
+    ("leaky_relu", True, (4, 8, 6, 6), False),
+])
+def test_autograd_saves_the_bits_for_relu_in_eager(activation, memory_saving, shape, uses_bits):
+    x, r, w, b = _case(shape, True, torch.float32)
+    x.requires_grad_()
+    w.requires_grad_()
+    y, saved = _saved_tensors(lambda: batch_norm_act(x, None, None, w, b, True, 0.1, EPS, residual=r,
+                                                     activation=activation, negative_slope=SLOPE,
+                                                     memory_saving=memory_saving))
+    bits = [t for t in saved if t.dtype == torch.uint8]
+    assert len(bits) == (1 if uses_bits else 0)
+    assert all(t.numel() == (x.numel() + 7) // 8 for t in bits)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    z = torch.nn.functional.batch_norm(x64, None, None, w64, b.double(), True, 0.1, EPS) + r.double()
+    ref_y = {"relu": torch.relu, "leaky_relu": lambda t: torch.nn.functional.leaky_relu(t, SLOPE),
+             "silu": torch.nn.functional.silu, "identity": lambda t: t}[activation](z)
+    ref = torch.autograd.grad(ref_y, (x64, w64), dy.double())
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a.double(), e, atol=1e-4, rtol=1e-4)
+
+
+def test_traced_graphs_keep_the_plain_forward():
+    """make_fx (a dispatch mode, as inside torch.compile / export) records batch_norm_act_forward, not the bits."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, r, w, b = _case((4, 8, 4, 4), False, torch.float32)
+
+    def step(x, w):
+        y = batch_norm_act(x, None, None, w, b, True, 0.1, EPS, activation="relu")
+        return torch.autograd.grad(y, (x, w), torch.ones_like(y))
+
+    graph = make_fx(step)(x.requires_grad_(), w.requires_grad_())
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert "torch_bn_grad.batch_norm_act_forward.default" in targets
+    assert not any("sign_bits" in t for t in targets)
+    assert "torch_bn_grad.batch_norm_act_backward.default" in targets
+
+
+def test_opcheck():
+    x, r, w, b = _case((4, 16, 5, 6), True, torch.bfloat16, seed=3)
+    torch.library.opcheck(SIGN_BITS, (x, w, b, None, None, r, EPS, "relu", SLOPE, "NCX"))
+    y, m, v, bits = SIGN_BITS(x, w, b, None, None, r, EPS, "relu", SLOPE, "NCX")
+    bwd = torch.ops.torch_bn_grad.batch_norm_act_backward.default
+    dy = torch.randn_like(x)
+    torch.library.opcheck(bwd, (dy, x, None, None, m, v, w, b, EPS, "relu", SLOPE, "NCX", True, False,
+                                [True, True, True, True], bits))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda k: dict(k, dst_positive=k["dst_positive"].to(torch.int32)), TypeError, "dst_positive must have dtype"),
+    (lambda k: dict(k, dst_positive=k["dst_positive"][1:]), ValueError, "dst_positive must be a contiguous 1-D"),
+    (lambda k: dict(k, activation="silu"), ValueError, "dst_positive is read for activation 'relu'"),
+    (lambda k: dict(k, activation="leaky_relu", from_output=True, dst=k["src"]), ValueError,
+     "dst_positive is read for activation"),
+])
+def test_errors_name_dst_positive(change, error, match):
+    x, r, w, b = _case((4, 8, 4, 4), False, torch.float32)
+    y, m, v, bits = SIGN_BITS(x, w, b, None, None, None, EPS, "relu", SLOPE, "NCX")
+    kwargs = dict(src=x, dst_positive=bits, activation="relu", beta=b)
+    with pytest.raises(error, match=match):
+        torch_bn_grad.batch_norm_act_backward(torch.randn_like(x), m, v, w, **change(kwargs))
