@@ -18,6 +18,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
@@ -53,8 +58,14 @@ inline void add_exact_nonnegative(V& sum, V& err, const V& x) {
 // per block and sum, so it must be cheap next to a small block (a 4 x 16-lane
 // serial chain of float64 adds cost the smallest planes a third of their
 // time); the order is fixed, so the result depends on the data alone.
+//
+// The generic form keeps per-lane float64 accumulators in an array, which
+// GCC leaves on the stack; the float32 forms below add the same terms in the
+// same order (lanes widened to float64 vectors, the tree as halves of
+// vectors), so they give the same bits.
 template <typename acc_t, int N>
-C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
+C10_ALWAYS_INLINE double lanes_total_generic(const at::vec::Vectorized<acc_t> (&sum)[N],
+                                             const at::vec::Vectorized<acc_t> (&err)[N]) {
   constexpr int64_t W = at::vec::Vectorized<acc_t>::size();
   alignas(64) double acc[W] = {};
   for (int c = 0; c < N; ++c) {
@@ -67,6 +78,41 @@ C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N],
   for (int64_t half = W / 2; half >= 1; half /= 2)
     for (int64_t i = 0; i < half; ++i) acc[i] += acc[i + half];
   return acc[0];
+}
+
+template <typename acc_t, int N>
+C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();  // lanes 0-7 and 8-15
+    for (int c = 0; c < N; ++c) {
+      const __m512 s = sum[c], r = err[c];
+      lo = _mm512_add_pd(lo, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
+                                           _mm512_cvtps_pd(_mm512_castps512_ps256(r))));
+      hi = _mm512_add_pd(hi, _mm512_add_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))),
+                                           _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)))));
+    }
+    const __m512d a8 = _mm512_add_pd(lo, hi);
+    const __m256d a4 = _mm256_add_pd(_mm512_castpd512_pd256(a8), _mm512_extractf64x4_pd(a8, 1));
+    const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  // lanes 0-3 and 4-7
+    for (int c = 0; c < N; ++c) {
+      const __m256 s = sum[c], r = err[c];
+      lo = _mm256_add_pd(lo, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(s)),
+                                           _mm256_cvtps_pd(_mm256_castps256_ps128(r))));
+      hi = _mm256_add_pd(hi, _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)),
+                                           _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1))));
+    }
+    const __m256d a4 = _mm256_add_pd(lo, hi);
+    const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
+  }
+#endif
+  return lanes_total_generic(sum, err);
 }
 
 // The statistics' second pass centre: the block mean rounded to a multiple of

@@ -43,6 +43,10 @@ struct PlaneKernels {
   // assignment, so the result does not depend on anything but the shape).
   static constexpr int kGroups = P >= 4 ? 1 : 4 / P;
   static constexpr int kChains = kGroups * P;
+  // Rows of one chunk or less (4x4 planes of float32) only ever feed group 0:
+  // their passes carry one group, whose flushes and totals cost a quarter as
+  // much, and give the same bits (the other groups' chains would stay zero).
+  static constexpr int kGroupsOf(int64_t row_elements) { return row_elements <= K ? 1 : kGroups; }
 
   // Sums of N kinds of terms over a planes block: each chain adds its terms
   // plainly into `run` and, every kRowRun terms or so, moves the run into the
@@ -52,7 +56,7 @@ struct PlaneKernels {
   // index sequences, not loops): GCC keeps an array in registers only if no
   // access indexes it with a variable before its loops are unrolled, and
   // otherwise loads and stores every accumulator on each chunk.
-  template <int N>
+  template <int N, int kChains>
   struct Sums {
     static constexpr auto kAll = std::make_integer_sequence<int, N * kChains>{};
     Vec sum[N][kChains], err[N][kChains], run[N][kChains];
@@ -107,6 +111,7 @@ struct PlaneKernels {
   // pass's accumulators become registers.
   template <typename Pass>
   C10_ALWAYS_INLINE static void walk_plane_rows(const Extent& e, const Block& blk, const T* a, const T* b, Pass& pass) {
+    constexpr int kGroups = Pass::kGroups;
     constexpr int64_t kSegment = kRowRun * kGroups * K;
     constexpr auto groups = std::make_integer_sequence<int, kGroups>{};
     const int64_t n = blk.s1 - blk.s0;
@@ -133,7 +138,7 @@ struct PlaneKernels {
         pending = 0;
       }
     }
-    pass.flush();
+    if (pending > 0) pass.flush();
   }
 
   // One full chunk per chain group, at base + g * K.
@@ -160,9 +165,11 @@ struct PlaneKernels {
   // exact_centre). Zero-filled lanes of a partial chunk add nothing to either.
   // Every term is added exactly (no plain runs): the mean must be right to
   // well within half a unit of its float32 rounding.
+  template <int G>
   struct SumMaxPass {
+    static constexpr int kGroups = G, kChains = G * P;
     const T* x;
-    Sums<1> sums;
+    Sums<1, kChains> sums;
     Vec max_abs[kChains];
     C10_ALWAYS_INLINE explicit SumMaxPass(const T* data) : x(data) {
       // Not a range for: its pointer walk would keep the pass in memory (see Sums).
@@ -188,10 +195,12 @@ struct PlaneKernels {
   };
 
   // Statistics pass 2: the exact sum of (x - centre)^2.
+  template <int G>
   struct SquaresPass {
+    static constexpr int kGroups = G, kChains = G * P;
     const T* x;
     Vec centre;
-    Sums<1> sums;
+    Sums<1, kChains> sums;
     C10_ALWAYS_INLINE SquaresPass(const T* data, acc_t c) : x(data), centre(c) {}
     template <typename C, typename L>
     C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
@@ -210,12 +219,13 @@ struct PlaneKernels {
   // The backward's sums of dy and dy * (x - mean), dy and x as the
   // epilogue's bound (epilogue.h) turns them. Zero-filled dy lanes of a
   // partial chunk add nothing to either sum.
-  template <typename Bound>
+  template <typename Bound, int G>
   struct GradSumsPass {
+    static constexpr int kGroups = G, kChains = G * P;
     const T *x, *dy;
     Vec mean;
     Bound bound;
-    Sums<2> sums;
+    Sums<2, kChains> sums;
     C10_ALWAYS_INLINE GradSumsPass(const T* data, const T* grad, acc_t m, Bound b)
         : x(data), dy(grad), mean(m), bound(b) {}
     template <typename C, typename L>
@@ -240,13 +250,18 @@ struct PlaneKernels {
   // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
   // max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
   static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
+    if (kGroupsOf(blk.s1 - blk.s0) == 1) stats_with<1>(x, e, blk, out);
+    else stats_with<kGroups>(x, e, blk, out);
+  }
+  template <int G>
+  static void stats_with(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
     const int64_t n = blk.s1 - blk.s0;
-    SumMaxPass first(x);
+    SumMaxPass<G> first(x);
     walk_plane_rows(e, blk, x, nullptr, first);
     const double count = static_cast<double>((blk.o1 - blk.o0) * n);
     const double sum_x = first.sums.total(0);
     const acc_t centre = exact_centre<acc_t>(sum_x / count, first.max_all());
-    SquaresPass second(x, centre);
+    SquaresPass<G> second(x, centre);
     walk_plane_rows(e, blk, x, nullptr, second);
     out.at(blk.channel, blk.slot) = math::centred_moments(count, sum_x, centre, second.sums.total(0));
   }
@@ -256,8 +271,14 @@ struct PlaneKernels {
   template <typename E = PlainEpilogue<T>>
   static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
                         Partials<math::GradSums<double>>& out, const E& ep = E{}) {
+    if (kGroupsOf(blk.s1 - blk.s0) == 1) grad_sums_with<1>(x, dy, e, blk, mean, out, ep);
+    else grad_sums_with<kGroups>(x, dy, e, blk, mean, out, ep);
+  }
+  template <int G, typename E>
+  static void grad_sums_with(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
+                             Partials<math::GradSums<double>>& out, const E& ep) {
     const int64_t k = blk.channel;
-    GradSumsPass<decltype(ep.plane(k))> pass(x, dy, mean[k], ep.plane(k));
+    GradSumsPass<decltype(ep.plane(k)), G> pass(x, dy, mean[k], ep.plane(k));
     walk_plane_rows(e, blk, x, dy, pass);
     out.at(k, blk.slot) = {pass.sums.total(0), pass.sums.total(1)};
   }
