@@ -194,11 +194,18 @@ struct ActForwardNode : public torch::autograd::Node {
   }
 };
 
-Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                         const OptionalTensor& beta, const OptionalTensor& mean,
-                                         const OptionalTensor& variance, const OptionalTensor& residual,
-                                         double epsilon, c10::string_view activation, double negative_slope,
-                                         c10::string_view data_format, bool memory_saving) {
+// Whether the forward returns dst's sign bits: when the caller asks
+// (batch_norm_act_forward_sign_bits), or, for batch_norm_act_forward, when the
+// backward can read them (relu, leaky_relu, eager CPU, not memory saving).
+enum class SignBits { kAsked, kWhereUseful };
+
+// The autograd formula of both forward operators; the sign bits, when
+// returned, carry no gradient.
+Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
+                              const OptionalTensor& mean, const OptionalTensor& variance,
+                              const OptionalTensor& residual, double epsilon, c10::string_view activation,
+                              double negative_slope, c10::string_view data_format, bool memory_saving,
+                              SignBits bits_wanted) {
   using torch::autograd::isFwGradDefined;
   TORCH_CHECK_NOT_IMPLEMENTED(
       !(isFwGradDefined(src) || isFwGradDefined(gamma) || isFwGradDefined(beta) || isFwGradDefined(mean) ||
@@ -210,22 +217,21 @@ Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTe
     node->set_next_edges(torch::autograd::collect_next_edges(src, gamma, beta, mean, variance, residual));
   }
   const bool gate_from_dst = activation == "relu" || activation == "leaky_relu";
-  const bool sign_bits = node && gate_from_dst && !memory_saving && eager_cpu(src) &&
-                         !(given(residual) && !eager_cpu(*residual));
-  at::Tensor positive;
-  auto outputs = [&]() -> Outputs3 {
+  const bool sign_bits = bits_wanted == SignBits::kAsked ||
+                         (node && gate_from_dst && !memory_saving && eager_cpu(src) &&
+                          !(given(residual) && !eager_cpu(*residual)));
+  Outputs4 outputs = [&]() -> Outputs4 {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     if (sign_bits) {
-      auto [d, m, v, bits] = act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual, epsilon,
-                                                             activation, negative_slope, data_format);
-      positive = bits;
-      return {d, m, v};
+      return act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                             negative_slope, data_format);
     }
-    return act_forward_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
-                                 data_format, memory_saving);
+    auto [d, m, v] = act_forward_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                           negative_slope, data_format, memory_saving);
+    return {d, m, v, at::Tensor()};
   }();
   if (!node) return outputs;
-  auto& [dst, mean_used, variance_used] = outputs;
+  auto& [dst, mean_used, variance_used, positive] = outputs;
   torch::autograd::set_history(dst, node);
   torch::autograd::set_history(mean_used, node);
   torch::autograd::set_history(variance_used, node);
@@ -235,8 +241,10 @@ Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTe
   const bool keep_residual = memory_saving || activation == "silu";
   if (!memory_saving) node->src = SavedVariable(src, false);
   if (keep_dst) node->dst = SavedVariable(dst, true);
-  // Empty where the CPU kernels cannot write the bits for this layout.
-  if (positive.numel() > 0) node->dst_positive = SavedVariable(positive, false);
+  // Only gate_from_dst reads them; empty ones (layouts the CPU kernels cannot
+  // write them for) make the backward read dst. (Their size is not looked at
+  // here: under tracing it is not known.)
+  if (gate_from_dst && positive.defined()) node->dst_positive = SavedVariable(positive, false);
   if (keep_residual) node->residual = SavedVariable(or_undefined(residual), false);
   // Batch statistics saved as returned, frozen ones as given, so that double
   // backward reaches whichever the data depends on.
@@ -252,6 +260,26 @@ Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTe
   node->memory_saving = memory_saving;
   node->has_residual = given(residual);
   return outputs;
+}
+
+Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma,
+                                         const OptionalTensor& beta, const OptionalTensor& mean,
+                                         const OptionalTensor& variance, const OptionalTensor& residual,
+                                         double epsilon, c10::string_view activation, double negative_slope,
+                                         c10::string_view data_format, bool memory_saving) {
+  auto [dst, mean_used, variance_used, unused] =
+      act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
+                           data_format, memory_saving, SignBits::kWhereUseful);
+  return {dst, mean_used, variance_used};
+}
+
+Outputs4 batch_norm_act_forward_sign_bits_autograd(const at::Tensor& src, const OptionalTensor& gamma,
+                                                   const OptionalTensor& beta, const OptionalTensor& mean,
+                                                   const OptionalTensor& variance, const OptionalTensor& residual,
+                                                   double epsilon, c10::string_view activation,
+                                                   double negative_slope, c10::string_view data_format) {
+  return act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
+                              data_format, false, SignBits::kAsked);
 }
 
 // The backward operator is not differentiable itself: gradients flowing into
@@ -297,6 +325,7 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_act_forward", &batch_norm_act_forward_autograd);
+  m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_autograd);
   m.impl("batch_norm_act_backward", &batch_norm_act_backward_autograd);
 }
 

@@ -326,12 +326,14 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
                     "negative_slope > 0), got activation='", std::string(activation), "', negative_slope=",
                     negative_slope);
   const bool gate_from_dst = kind == act::Kind::relu || kind == act::Kind::leaky_relu;
-  TORCH_CHECK_VALUE(!dst_positive.has_value() || (gate_from_dst && !from_output), op,
+  // Empty sign bits (the forward could not write them for this layout) are absent.
+  const bool bits_given = dst_positive.has_value() && dst_positive->numel() > 0;
+  TORCH_CHECK_VALUE(!bits_given || (gate_from_dst && !from_output), op,
                     ": dst_positive is read for activation 'relu' or 'leaky_relu' without from_output, got "
                     "activation='", std::string(activation), "', from_output=", from_output ? "True" : "False");
   // What the kernels read: the data (src, or dst from the output), and dst
   // (or its sign bits) for act' of relu/leaky_relu.
-  const bool needs_dst = from_output || (gate_from_dst && !dst_positive.has_value());
+  const bool needs_dst = from_output || (gate_from_dst && !bits_given);
   TORCH_CHECK_VALUE(from_output || src.has_value(), op, ": src must be given unless from_output=True, got None");
   TORCH_CHECK_VALUE(!needs_dst || dst.has_value(), op, ": dst must be given for activation='",
                     std::string(activation), "'", from_output ? " with from_output=True" : "", ", got None");
@@ -340,7 +342,7 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   check_same_like_src(op, "diff_dst", diff_dst, data);
   if (!from_output && dst.has_value()) check_same_like_src(op, "dst", *dst, data);
   if (residual.has_value()) check_same_like_src(op, "residual", *residual, data);
-  if (dst_positive.has_value()) {
+  if (bits_given) {
     const at::Tensor& bits = *dst_positive;
     check_same_device(op, "dst_positive", bits, data);
     TORCH_CHECK_TYPE(bits.scalar_type() == at::kByte, op, ": dst_positive must have dtype torch.uint8, got ",
@@ -348,7 +350,8 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
     const int64_t bytes = sign_bits_bytes(data.numel());
     TORCH_CHECK_VALUE(bits.dim() == 1 && bits.size(0) == bytes && bits.is_contiguous(), op,
                       ": dst_positive must be a contiguous 1-D tensor of ", bytes,
-                      " bytes (batch_norm_act_forward_sign_bits' for this src), got shape ", bits.sizes());
+                      " bytes (batch_norm_act_forward_sign_bits' for this src) or empty, got shape ",
+                      bits.sizes());
   }
   std::vector<int64_t> stats_shape;
   check_same_device(op, "mean", mean, data);

@@ -103,7 +103,7 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // zeros gives inf/nan (the caller's problem, as in inplace_abn). The residual
   // passed must be the forward's (silu and from_output read it).
   // dst_positive (the sign-bits forward's, with the same src) replaces dst as
-  // the source of relu / leaky_relu's act'.
+  // the source of relu / leaky_relu's act'; empty, it is ignored (dst is read).
   // Masked outputs come back empty; diff_residual is dz, of src's shape.
   m.def(
       "batch_norm_act_backward(Tensor diff_dst, Tensor? src, Tensor? dst, Tensor? residual, Tensor mean, "

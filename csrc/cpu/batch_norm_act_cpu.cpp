@@ -105,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   const at::Tensor& data = from_output ? *dst : *src;
   ActBackwardArgs a;
   a.data = to_kernel_layout(data, plan);
-  if (dst_positive.has_value()) a.dst_positive = *dst_positive;
+  if (dst_positive.has_value() && dst_positive->numel() > 0) a.dst_positive = *dst_positive;
   else if (!from_output) a.output = layout_or_undefined(dst, plan);
   a.residual = layout_or_undefined(residual, plan);
   a.diff_dst = to_kernel_layout(diff_dst, plan);
