@@ -80,6 +80,15 @@ C10_ALWAYS_INLINE double lanes_total_generic(const at::vec::Vectorized<acc_t> (&
   return acc[0];
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// The last two levels of lanes_total's tree, over four float64 lanes:
+// (a[0] + a[2]) + (a[1] + a[3]).
+C10_ALWAYS_INLINE double tree_total(__m256d a4) {
+  const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
+}
+#endif
+
 template <typename acc_t, int N>
 C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -93,9 +102,7 @@ C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N],
                                            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)))));
     }
     const __m512d a8 = _mm512_add_pd(lo, hi);
-    const __m256d a4 = _mm256_add_pd(_mm512_castpd512_pd256(a8), _mm512_extractf64x4_pd(a8, 1));
-    const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
+    return tree_total(_mm256_add_pd(_mm512_castpd512_pd256(a8), _mm512_extractf64x4_pd(a8, 1)));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -107,9 +114,7 @@ C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N],
       hi = _mm256_add_pd(hi, _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)),
                                            _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1))));
     }
-    const __m256d a4 = _mm256_add_pd(lo, hi);
-    const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
+    return tree_total(_mm256_add_pd(lo, hi));
   }
 #endif
   return lanes_total_generic(sum, err);
