@@ -219,7 +219,7 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
   const bool gate_from_dst = activation == "relu" || activation == "leaky_relu";
   const bool sign_bits = bits_wanted == SignBits::kAsked ||
                          (node && gate_from_dst && !memory_saving && eager_cpu(src) &&
-                          !(given(residual) && !eager_cpu(*residual)));
+                          (!given(residual) || eager_cpu(*residual)));
   Outputs4 outputs = [&]() -> Outputs4 {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     if (sign_bits) {

@@ -360,7 +360,7 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
   if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, &mean, "mean");
   if (beta.has_value()) check_param(op, "beta", *beta, data, stats_shape, &mean, "mean");
-    return {build_plan(data, kept, std::move(stats_shape)), kind};
+  return {build_plan(data, kept, std::move(stats_shape)), kind, bits_given};
 }
 
 ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format) {

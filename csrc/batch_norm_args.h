@@ -58,6 +58,7 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
 struct ActPlan {
   ChannelPlan plan;
   act::Kind kind;
+  bool reads_sign_bits = false;  // backward: dst_positive given and not empty (empty: read dst)
 };
 ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
                                const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,

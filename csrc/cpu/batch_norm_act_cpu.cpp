@@ -23,8 +23,9 @@ at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan)
 
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Both forward operators; the sign bits of dst (cpu/kernels/sign_bits.h) when
-// `sign_bits` and the kernels can write them for this layout, else an empty tensor.
+// Both forward operators. With `sign_bits`, also the sign bits of dst
+// (cpu/kernels/sign_bits.h), empty where the kernels cannot write them for
+// this layout; without, an undefined tensor.
 Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
                      const OptionalTensor& mean, const OptionalTensor& variance, const OptionalTensor& residual,
                      double epsilon, c10::string_view activation, double negative_slope,
@@ -39,9 +40,13 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
   a.dst = out.buffer;
   a.extent = plan.extent();
   // Empty where the layout or dtype does not fit the bits: the backward reads dst there.
-  const bool with_bits = sign_bits && act_kernel_table().sign_bits_fit(a.extent, src.scalar_type());
-  at::Tensor positive = at::empty({with_bits ? sign_bits_bytes(src.numel()) : 0}, src.options().dtype(at::kByte));
-  if (with_bits) a.dst_positive = positive;
+  // (The plain forward returns none: its caller drops the fourth output.)
+  at::Tensor positive;
+  if (sign_bits) {
+    const bool fit = act_kernel_table().sign_bits_fit(a.extent, src.scalar_type());
+    positive = at::empty({fit ? sign_bits_bytes(src.numel()) : 0}, src.options().dtype(at::kByte));
+    if (fit) a.dst_positive = positive;
+  }
   // Per-channel float64 vectors: gamma, beta, mean, variance.
   const int64_t C = plan.channels;
   std::vector<double> host(4 * C);
@@ -105,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   const at::Tensor& data = from_output ? *dst : *src;
   ActBackwardArgs a;
   a.data = to_kernel_layout(data, plan);
-  if (dst_positive.has_value() && dst_positive->numel() > 0) a.dst_positive = *dst_positive;
+  if (checked.reads_sign_bits) a.dst_positive = *dst_positive;
   else if (!from_output) a.output = layout_or_undefined(dst, plan);
   a.residual = layout_or_undefined(residual, plan);
   a.diff_dst = to_kernel_layout(diff_dst, plan);

@@ -124,10 +124,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     const at::Tensor& mean, const at::Tensor& variance, const OptionalTensor& gamma, const OptionalTensor& beta,
     double epsilon, c10::string_view activation, double negative_slope, c10::string_view data_format, bool training,
     bool from_output, std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!dst_positive.has_value() || dst_positive->numel() == 0,
-                              "batch_norm_act_backward: dst_positive (sign bits) is CPU only; pass dst on CUDA");
   const ActPlan checked = check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
-                                                  activation, negative_slope, data_format, from_output, std::nullopt);
+                                                  activation, negative_slope, data_format, from_output, dst_positive);
+  TORCH_CHECK_NOT_IMPLEMENTED(!checked.reads_sign_bits,
+                              "batch_norm_act_backward: dst_positive (sign bits) is CPU only; pass dst on CUDA");
   const ChannelPlan& plan = checked.plan;
   const at::Tensor& data = from_output ? *dst : *src;
   const c10::cuda::CUDAGuard guard(data.device());

@@ -46,7 +46,7 @@ struct PlaneKernels {
   // Rows of one chunk or less (4x4 planes of float32) only ever feed group 0:
   // their passes carry one group, whose flushes and totals cost a quarter as
   // much, and give the same bits (the other groups' chains would stay zero).
-  static constexpr int kGroupsOf(int64_t row_elements) { return row_elements <= K ? 1 : kGroups; }
+  static bool one_chunk_rows(const Block& blk) { return blk.s1 - blk.s0 <= K; }
 
   // Sums of N kinds of terms over a planes block: each chain adds its terms
   // plainly into `run` and, every kRowRun terms or so, moves the run into the
@@ -99,7 +99,7 @@ struct PlaneKernels {
 
   // Calls pass.chunk(offset, chain base, lanes) for every chunk of every row
   // of a planes block (lanes < K only for a row's last, partial chunk),
-  // spreading a row's chunks over the kGroups chain groups, and pass.flush()
+  // spreading a row's chunks over the pass's chain groups, and pass.flush()
   // whenever a chain may have taken kRowRun plain terms. The schedule depends
   // on the shape only. Short rows of `a` and `b` (b may be null) are
   // prefetched ahead.
@@ -111,9 +111,9 @@ struct PlaneKernels {
   // pass's accumulators become registers.
   template <typename Pass>
   C10_ALWAYS_INLINE static void walk_plane_rows(const Extent& e, const Block& blk, const T* a, const T* b, Pass& pass) {
-    constexpr int kGroups = Pass::kGroups;
-    constexpr int64_t kSegment = kRowRun * kGroups * K;
-    constexpr auto groups = std::make_integer_sequence<int, kGroups>{};
+    constexpr int G = Pass::kGroups;  // the pass's group count
+    constexpr int64_t kSegment = kRowRun * G * K;
+    constexpr auto groups = std::make_integer_sequence<int, G>{};
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
     int64_t pending = 0;  // most plain terms any chain holds
@@ -126,13 +126,13 @@ struct PlaneKernels {
       }
       int64_t j = 0;
       for (; j + kSegment <= n; j += kSegment) {
-        for (int64_t r = 0; r < kRowRun; ++r) full_chunks(pass, row + j + r * kGroups * K, groups);
+        for (int64_t r = 0; r < kRowRun; ++r) full_chunks(pass, row + j + r * G * K, groups);
         pass.flush();
         pending = 0;
       }
-      int64_t i = 0;  // chunk i of the rest goes to group i % kGroups
+      int64_t i = 0;  // chunk i of the rest goes to group i % G
       while (j < n) rest_chunks(pass, row, n, j, i, groups);
-      pending += ceil_div(i, kGroups);
+      pending += ceil_div(i, G);
       if (pending >= kRowRun) {
         pass.flush();
         pending = 0;
@@ -250,7 +250,7 @@ struct PlaneKernels {
   // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
   // max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
   static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
-    if (kGroupsOf(blk.s1 - blk.s0) == 1) stats_with<1>(x, e, blk, out);
+    if (one_chunk_rows(blk)) stats_with<1>(x, e, blk, out);
     else stats_with<kGroups>(x, e, blk, out);
   }
   template <int G>
@@ -271,7 +271,7 @@ struct PlaneKernels {
   template <typename E = PlainEpilogue<T>>
   static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
                         Partials<math::GradSums<double>>& out, const E& ep = E{}) {
-    if (kGroupsOf(blk.s1 - blk.s0) == 1) grad_sums_with<1>(x, dy, e, blk, mean, out, ep);
+    if (one_chunk_rows(blk)) grad_sums_with<1>(x, dy, e, blk, mean, out, ep);
     else grad_sums_with<kGroups>(x, dy, e, blk, mean, out, ep);
   }
   template <int G, typename E>
