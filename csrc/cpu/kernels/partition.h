@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "batch_norm_math.h"
@@ -39,6 +40,14 @@ constexpr int64_t kBlockElements = 16384;
 constexpr int64_t kColumnBlock = 1024;
 constexpr int64_t kRowBlockElements = 65536;
 constexpr int64_t kRowBlockRows = 128;
+// Threads take contiguous ranges of blocks, so a layer of a few blocks is
+// shared unevenly: 4 blocks of 128 rows and one of 8 (a 1024-channel 7x7
+// layer at batch 8) gave one of two threads two thirds of the work. Rows
+// blocks therefore come in multiples of kBlockMultiple (when each keeps
+// kMinRowBlockRows rows), of equal height; the count still depends on the
+// shape alone.
+constexpr int64_t kBlockMultiple = 4;
+constexpr int64_t kMinRowBlockRows = 16;
 
 struct Blocks {
   bool planes;
@@ -56,13 +65,25 @@ struct Blocks {
     } else {
       span_step = std::max<int64_t>(1, std::min(e.channels, kColumnBlock));
       n_span = ceil_div(e.channels, span_step);
-      outer_step = std::max(kRowBlockRows, kRowBlockElements / span_step);
+      n_outer = balanced_row_blocks(e.outer, n_span,
+                                    ceil_div(e.outer, std::max(kRowBlockRows, kRowBlockElements / span_step)));
+      outer_step = std::max<int64_t>(1, ceil_div(e.outer, n_outer));
       n_outer = ceil_div(e.outer, outer_step);
       total = n_outer * n_span;
     }
   }
   // Partials per channel, combined in this order.
   int64_t per_channel() const { return planes ? n_outer * n_span : n_outer; }
+
+ private:
+  // The row-block count, at least `wanted`, raised so that the blocks
+  // (times the column blocks) are a multiple of kBlockMultiple while each
+  // keeps kMinRowBlockRows rows.
+  static int64_t balanced_row_blocks(int64_t outer, int64_t n_span, int64_t wanted) {
+    const int64_t step = kBlockMultiple / std::gcd(kBlockMultiple, n_span);
+    const int64_t balanced = ceil_div(std::max<int64_t>(wanted, 1), step) * step;
+    return balanced * kMinRowBlockRows <= outer ? balanced : std::max<int64_t>(wanted, 1);
+  }
 };
 
 // One block's coordinates.
