@@ -107,13 +107,14 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
     co.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], eps, r != nullptr));
   };
   auto normalize = [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); };
-  if (per_channel_strategy(b, e)) {
+  if (per_channel_strategy(b, e, sizeof(T))) {
     for_each_channel(b, e, reduce, finish, normalize);
     return;
   }
   for_each_block(b, e, false, reduce);
   for_each_channel_finish(b, e, finish);
-  for_each_block(b, e, true, normalize);
+  if (short_planes(b, e, sizeof(T))) affine_all<T>(b, x, r, y, e, coefficients, ep);
+  else for_each_block(b, e, true, normalize);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
@@ -158,13 +159,13 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     if (diff_beta) diff_beta[k] = grads.diff_beta;
   };
   auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
-  if (need_sums && dx && per_channel_strategy(b, e)) {
+  if (need_sums && dx && per_channel_strategy(b, e, sizeof(T))) {
     for_each_channel(b, e, reduce, finish, apply);
     return;
   }
   if (need_sums) for_each_block(b, e, false, reduce);
   for_each_channel_finish(b, e, finish);
-  if (dx && need_sums) for_each_block(b, e, true, apply);
+  if (dx && need_sums && !short_planes(b, e, sizeof(T))) for_each_block(b, e, true, apply);
   else if (dx) affine_all<T>(b, x, dy, dx, e, coefficients, ep);
 }
 
