@@ -342,17 +342,6 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   check_same_like_src(op, "diff_dst", diff_dst, data);
   if (!from_output && dst.has_value()) check_same_like_src(op, "dst", *dst, data);
   if (residual.has_value()) check_same_like_src(op, "residual", *residual, data);
-  if (bits_given) {
-    const at::Tensor& bits = *dst_positive;
-    check_same_device(op, "dst_positive", bits, data);
-    TORCH_CHECK_TYPE(bits.scalar_type() == at::kByte, op, ": dst_positive must have dtype torch.uint8, got ",
-                     dtype_name(bits.scalar_type()));
-    const int64_t bytes = sign_bits_bytes(data.numel());
-    TORCH_CHECK_VALUE(bits.dim() == 1 && bits.size(0) == bytes && bits.is_contiguous(), op,
-                      ": dst_positive must be a contiguous 1-D tensor of ", bytes,
-                      " bytes (batch_norm_act_forward_sign_bits' for this src) or empty, got shape ",
-                      bits.sizes());
-  }
   std::vector<int64_t> stats_shape;
   check_same_device(op, "mean", mean, data);
   check_param_dtype(op, "mean", mean, data, nullptr, nullptr);
@@ -360,7 +349,19 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
   if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, &mean, "mean");
   if (beta.has_value()) check_param(op, "beta", *beta, data, stats_shape, &mean, "mean");
-  return {build_plan(data, kept, std::move(stats_shape)), kind, bits_given};
+  ChannelPlan plan = build_plan(data, kept, std::move(stats_shape));
+  if (bits_given) {
+    const at::Tensor& bits = *dst_positive;
+    check_same_device(op, "dst_positive", bits, data);
+    TORCH_CHECK_TYPE(bits.scalar_type() == at::kByte, op, ": dst_positive must have dtype torch.uint8, got ",
+                     dtype_name(bits.scalar_type()));
+    const int64_t bytes = sign_bits_bytes(plan.extent());
+    TORCH_CHECK_VALUE(bits.dim() == 1 && bits.size(0) == bytes && bits.is_contiguous(), op,
+                      ": dst_positive must be a contiguous 1-D tensor of ", bytes,
+                      " bytes (batch_norm_act_forward_sign_bits' for this src) or empty, got shape ",
+                      bits.sizes());
+  }
+  return {std::move(plan), kind, bits_given};
 }
 
 ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format) {

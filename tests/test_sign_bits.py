@@ -23,28 +23,37 @@ SLOPE = 0.1
 SIGN_BITS = torch.ops.torch_bn_grad.batch_norm_act_forward_sign_bits.default
 FORWARD = torch.ops.torch_bn_grad.batch_norm_act_forward.default
 
-# Layouts whose block rows start on a byte, where the forward writes the bits
-# (float32 and half precision, every ISA)...
+# Layouts where the forward writes the bits (float32 and half precision, every
+# ISA): lines (plane rows, or rows of channels) of a multiple of 8 elements,
+# rows of one chunk or less, partial last chunks, scalar tails, and planes of
+# other sizes (21x21: each padded to a byte) in tensors of 4 MB or more...
+PADDED = ((4, 1200, 21, 21), False)
 FIT = [
     ((2, 24, 28, 28), False), ((1, 2, 256, 256), False), ((5, 40), False), ((600, 24), False), ((3, 20, 200), False),
-    ((4, 16, 7, 7), True), ((8, 64, 4, 4), True),
+    ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((3, 1104, 2, 2), True), PADDED,
 ]
-# ... and others, where it returns no bits: 7x7 and 14x14 planes, odd channel
-# counts, planes split into blocks of a width that is not a multiple of 8.
-NO_FIT = [((4, 16, 7, 7), False), ((4, 16, 14, 14), False), ((3, 13, 5, 5), False), ((2, 3, 150, 150), False),
-          ((3, 13, 5, 5), True), ((2, 20, 3, 3, 3), True)]
+# ... and where it returns no bits: rows of channels not a multiple of 8,
+# padded planes in smaller tensors (where reading dst is faster), planes split
+# into blocks of a width that is not a multiple of 8.
+NO_FIT = [((3, 13, 5, 5), True), ((2, 20, 3, 3, 3), True), ((40, 21), False), ((4, 16, 7, 7), False),
+          ((4, 16, 14, 14), False), ((3, 13, 5, 5), False), ((2, 3, 150, 150), False)]
 SHAPES = FIT + NO_FIT
 
 
-def _kernel_order(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """The CPU kernels' element order: memory order for these layouts."""
-    if channels_last:
-        return t.movedim(1, -1).reshape(-1)
-    return t.reshape(-1)
+def _kernel_lines(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """The CPU kernels' element order cut into its lines: plane rows, or rows of
+    channels where the channels are innermost (channels_last, or (N, C))."""
+    if channels_last or t.dim() == 2:
+        return t.movedim(1, -1).reshape(-1, t.shape[1])
+    return t.reshape(-1, t[0, 0].numel())
 
 
 def _packed(y: torch.Tensor, channels_last: bool) -> np.ndarray:
-    return np.packbits((_kernel_order(y, channels_last) > 0).numpy(), bitorder="little")
+    """The reference bits: y > 0, each line padded with zeros to a byte."""
+    lines = (_kernel_lines(y, channels_last) > 0).numpy()
+    padded = np.zeros((lines.shape[0], -(-lines.shape[1] // 8) * 8), dtype=bool)
+    padded[:, :lines.shape[1]] = lines
+    return np.packbits(padded.reshape(-1), bitorder="little")
 
 
 def _case(shape, channels_last, dtype, seed=0):
@@ -76,7 +85,6 @@ def test_bits_are_dst_positive_and_gradients_equal_those_from_dst(activation, dt
         if (shape, channels_last) in NO_FIT or (dtype == torch.float64 and bits.numel() == 0):
             assert bits.shape == (0,)  # float64 fits only where a vector holds 8 (AVX512)
             continue
-        assert bits.shape == ((x.numel() + 7) // 8,)
         np.testing.assert_array_equal(bits.numpy(), _packed(y, channels_last), err_msg=f"{shape} {channels_last}")
         dy = torch.randn_like(x)
         for mask in [(True, True, True, True), (True, False, False, False), (False, True, True, False),
@@ -99,8 +107,8 @@ def test_bits_of_rounded_output():
     mean, var = torch.zeros(1), torch.full((1,), 1.0 - EPS)
     y, _, _, bits = SIGN_BITS(x, w, b, mean, var, None, EPS, "relu", 0.0, "NCX")
     assert (y.flatten() > 0).tolist() == [False, False, False, True, False, False, False, True]
-    assert bits.numel() == 1
-    np.testing.assert_array_equal(bits.numpy(), _packed(y, False))
+    # One channel of 8: the kernels see it as one line of 8 elements, one byte.
+    np.testing.assert_array_equal(bits.numpy(), np.packbits((y.flatten() > 0).numpy(), bitorder="little"))
 
 
 _ISA_SCRIPT = r"""
@@ -108,7 +116,13 @@ import json, numpy as np, torch, torch_bn_grad
 ops = torch.ops.torch_bn_grad
 g = torch.Generator().manual_seed(0)
 ok = []
-for shape, cl in [((2, 24, 28, 28), False), ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((300, 40), False)]:
+def packed(y, cl):
+    lines = (y.movedim(1, -1).reshape(-1, y.shape[1]) if cl or y.dim() == 2 else y.reshape(-1, y[0, 0].numel())) > 0
+    padded = np.zeros((lines.shape[0], -(-lines.shape[1] // 8) * 8), dtype=bool)
+    padded[:, :lines.shape[1]] = lines.numpy()
+    return np.packbits(padded.reshape(-1), bitorder="little")
+for shape, cl in [((2, 24, 28, 28), False), ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((300, 40), False),
+                  ((4, 1200, 21, 21), False)]:
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         x = torch.randn(shape, generator=g).to(dt)
         if cl:
@@ -119,8 +133,7 @@ for shape, cl in [((2, 24, 28, 28), False), ((4, 16, 7, 7), True), ((8, 64, 4, 4
         if bits.numel() == 0:
             ok.append(dt == torch.float64)  # float64 bits need 8 lanes a vector (AVX512)
             continue
-        flat = y.movedim(1, -1).reshape(-1) if cl else y.reshape(-1)
-        same_bits = np.array_equal(bits.numpy(), np.packbits((flat > 0).numpy(), bitorder="little"))
+        same_bits = np.array_equal(bits.numpy(), packed(y, cl))
         dy = torch.randn(shape, generator=g).to(dt)
         a = torch_bn_grad.batch_norm_act_backward(dy, m, v, w, b, src=x, dst=y, activation="leaky_relu",
                                                   negative_slope=0.1)
@@ -155,14 +168,17 @@ def _saved_tensors(fn):
     return out, saved
 
 
-@pytest.mark.parametrize("activation,memory_saving,shape,uses_bits", [
-    ("relu", False, (4, 8, 6, 6), True), ("leaky_relu", False, (4, 8, 6, 6), True),
-    ("relu", False, (4, 6, 6, 6), False),  # 6 channels: rows do not start on a byte
-    ("silu", False, (4, 8, 6, 6), False), ("identity", False, (4, 8, 6, 6), False),
-    ("leaky_relu", True, (4, 8, 6, 6), False),
+@pytest.mark.parametrize("activation,memory_saving,shape,channels_last,uses_bits", [
+    ("relu", False, (4, 8, 6, 6), True, True), ("leaky_relu", False, (4, 8, 6, 6), True, True),
+    ("relu", False, (4, 6, 6, 6), True, False),  # rows of 6 channels: not a multiple of 8
+    ("relu", False, (4, 6, 6, 6), False, False),  # planes of 36 in a small tensor
+    ("relu", False, (2, 1200, 21, 21), False, True),  # planes of 441, padded (4.2 MB)
+    ("relu", False, (1, 2, 150, 150), False, False),  # blocks 11250 wide: not on a byte
+    ("silu", False, (4, 8, 6, 6), True, False), ("identity", False, (4, 8, 6, 6), True, False),
+    ("leaky_relu", True, (4, 8, 6, 6), True, False),
 ])
-def test_autograd_saves_the_bits_for_relu_in_eager(activation, memory_saving, shape, uses_bits):
-    x, r, w, b = _case(shape, True, torch.float32)
+def test_autograd_saves_the_bits_for_relu_in_eager(activation, memory_saving, shape, channels_last, uses_bits):
+    x, r, w, b = _case(shape, channels_last, torch.float32)
     x.requires_grad_()
     w.requires_grad_()
     y, saved = _saved_tensors(lambda: batch_norm_act(x, None, None, w, b, True, 0.1, EPS, residual=r,
@@ -171,7 +187,8 @@ def test_autograd_saves_the_bits_for_relu_in_eager(activation, memory_saving, sh
     bits = [t for t in saved if t.dtype == torch.uint8]
     # Saved whenever relu / leaky_relu run eagerly on CPU; empty where the layout does not fit.
     assert len(bits) == (1 if activation in ("relu", "leaky_relu") and not memory_saving else 0)
-    assert sum(t.numel() == (x.numel() + 7) // 8 for t in bits) == (1 if uses_bits else 0)
+    expected = _packed(y.detach(), channels_last).size
+    assert sum(t.numel() == expected for t in bits) == (1 if uses_bits else 0)
     dy = torch.randn_like(y)
     got = torch.autograd.grad(y, (x, w), dy)
     x64 = x.detach().double().requires_grad_()

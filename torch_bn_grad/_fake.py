@@ -112,8 +112,9 @@ def _batch_norm_act_forward_sign_bits_fake(src, gamma, beta, mean, variance, res
                                            negative_slope, data_format):
     dst, mean_out, variance_out = _batch_norm_act_forward_fake(
         src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, False)
-    # (numel + 7) // 8 bytes, or none where the kernels cannot write the bits
-    # (a layout and ISA matter): a size known only when the kernel runs.
+    # One bit an element, each line of the kernel's order padded to a byte, or
+    # none where the kernels cannot write the bits (a layout and ISA matter):
+    # a size known only when the kernel runs.
     size = torch.library.get_ctx().new_dynamic_size()
     return dst, mean_out, variance_out, src.new_empty(size, dtype=torch.uint8)
 

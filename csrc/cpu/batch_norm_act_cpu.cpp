@@ -44,7 +44,7 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
   at::Tensor positive;
   if (sign_bits) {
     const bool fit = act_kernel_table().sign_bits_fit(a.extent, src.scalar_type());
-    positive = at::empty({fit ? sign_bits_bytes(src.numel()) : 0}, src.options().dtype(at::kByte));
+    positive = at::empty({fit ? sign_bits_bytes(a.extent) : 0}, src.options().dtype(at::kByte));
     if (fit) a.dst_positive = positive;
   }
   // Per-channel float64 vectors: gamma, beta, mean, variance.

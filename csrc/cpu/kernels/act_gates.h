@@ -66,6 +66,7 @@ struct ForwardAct : PlainEpilogue<T> {
   static constexpr int P = IO::kParts;
   acc_t slope;
   uint8_t* positive = nullptr;  // sign bits, in layouts where sign_bits_fit<T>
+  BitIndex bit;
   void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
   acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
   void stored(const T* out, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
@@ -73,16 +74,16 @@ struct ForwardAct : PlainEpilogue<T> {
     if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
       if (!positive) return;
       if constexpr (P == 1) {
-        write_bits<K>(positive, off, chunk_positive_bits<T>(v), static_cast<int>(lanes));
+        write_bits<K>(positive, bit(off), chunk_positive_bits<T>(v), static_cast<int>(lanes));
       } else {
         Vec rounded[P];
         if (lanes == K) IO::load(out + off, rounded); else IO::load_partial(out + off, lanes, rounded);
-        write_bits<K>(positive, off, chunk_positive_bits<T>(rounded), static_cast<int>(lanes));
+        write_bits<K>(positive, bit(off), chunk_positive_bits<T>(rounded), static_cast<int>(lanes));
       }
     }
   }
   void scalar_stored(int64_t i, T value) const {
-    if (positive) write_bit(positive, i, static_cast<acc_t>(value) > acc_t(0));
+    if (positive) write_bit(positive, bit(i), static_cast<acc_t>(value) > acc_t(0));
   }
 };
 
@@ -115,17 +116,20 @@ struct SignBitsGate : DzOut<T> {
   static constexpr int64_t W = Vec::size(), K = DzOut<T>::K;
   const uint8_t* positive = nullptr;
   int64_t bytes = 0;
+  BitIndex bit;
   acc_t positive_grad = 1, other_grad = 0;
 
   void apply(int64_t off, int64_t, Vec (&)[P], Vec (&d)[P]) const {
     // Bits past a partial chunk's lanes meet zero-filled dy lanes.
-    const uint32_t bits = read_bits(positive, bytes, off, static_cast<int>(K));
+    const uint32_t bits = read_bits(positive, bytes, bit(off), static_cast<int>(K));
     for (int q = 0; q < P; ++q)
       d[q] = d[q] * select_bits(bits >> (q * W), Vec(positive_grad), Vec(other_grad));
   }
   const SignBitsGate& plane(int64_t) const { return *this; }
   const SignBitsGate& columns(int64_t) const { return *this; }
-  void scalar(int64_t i, int64_t, acc_t&, acc_t& d) const { d *= read_bit(positive, i) ? positive_grad : other_grad; }
+  void scalar(int64_t i, int64_t, acc_t&, acc_t& d) const {
+    d *= read_bit(positive, bit(i)) ? positive_grad : other_grad;
+  }
 };
 
 // act'(z) from the output y. Normal mode: the kernel's x is the input and
