@@ -119,7 +119,7 @@ def setup(description: str, default_epochs: int) -> Setup:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--image-size", type=int, default=24)
     parser.add_argument("--classes", type=int, default=8)
-    parser.add_argument("--timing-steps", type=int, default=15)
+    parser.add_argument("--timing-steps", type=int, default=45)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
