@@ -221,6 +221,22 @@ void check_stage_stats(const char* op, const char* name, const at::Tensor& t, co
                     c10::IntArrayRef(expected), " (C = ", plan.channels, "), got ", t.sizes());
 }
 
+// The backward operators' per-channel arguments checked against the data:
+// mean (its shape decides the form), variance, gamma and beta when given;
+// then the plan.
+ChannelPlan check_backward_statistics(const char* op, const at::Tensor& data, const at::Tensor& mean,
+                                      const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
+                                      const std::optional<at::Tensor>& beta, c10::string_view data_format) {
+  std::vector<int64_t> stats_shape;
+  check_same_device(op, "mean", mean, data);
+  check_param_dtype(op, "mean", mean, data, nullptr, nullptr);
+  const auto kept = kept_dims(op, data, &mean, "mean", data_format, stats_shape);
+  check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, &mean, "mean");
+  if (beta.has_value()) check_param(op, "beta", *beta, data, stats_shape, &mean, "mean");
+  return build_plan(data, kept, std::move(stats_shape));
+}
+
 }  // namespace
 
 ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_dst,
@@ -230,13 +246,7 @@ ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_ds
   const char* op = "batch_norm_backward";
   check_src(op, src, epsilon, data_format);
   check_same_like_src(op, "diff_dst", diff_dst, src);
-  std::vector<int64_t> stats_shape;
-  check_same_device(op, "mean", mean, src);
-  check_param_dtype(op, "mean", mean, src, nullptr, nullptr);
-  const auto kept = kept_dims(op, src, &mean, "mean", data_format, stats_shape);
-  check_param(op, "variance", variance, src, stats_shape, &mean, "mean");
-  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, &mean, "mean");
-  return build_plan(src, kept, std::move(stats_shape));
+  return check_backward_statistics(op, src, mean, variance, gamma, std::nullopt, data_format);
 }
 
 namespace {
@@ -342,14 +352,7 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
   check_same_like_src(op, "diff_dst", diff_dst, data);
   if (!from_output && dst.has_value()) check_same_like_src(op, "dst", *dst, data);
   if (residual.has_value()) check_same_like_src(op, "residual", *residual, data);
-  std::vector<int64_t> stats_shape;
-  check_same_device(op, "mean", mean, data);
-  check_param_dtype(op, "mean", mean, data, nullptr, nullptr);
-  const auto kept = kept_dims(op, data, &mean, "mean", data_format, stats_shape);
-  check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
-  if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, &mean, "mean");
-  if (beta.has_value()) check_param(op, "beta", *beta, data, stats_shape, &mean, "mean");
-  ChannelPlan plan = build_plan(data, kept, std::move(stats_shape));
+  ChannelPlan plan = check_backward_statistics(op, data, mean, variance, gamma, beta, data_format);
   if (bits_given) {
     const at::Tensor& bits = *dst_positive;
     check_same_device(op, "dst_positive", bits, data);
