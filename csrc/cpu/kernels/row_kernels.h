@@ -50,6 +50,22 @@ struct RowKernels {
     double value(int64_t j) const { return static_cast<double>(sum[j]) + static_cast<double>(err[j]); }
   };
 
+  // Chunks of one vector (float32, float64) are walked kGroup at a time, so
+  // that each row's loads feed kGroup independent accumulator chains instead
+  // of one: float32 statistics 1.1x-1.35x faster on 64-256 channels
+  // (channels_last, A/B in one process), the grad sums of 64 channels 1.5x.
+  // The grad sums of rows wider than one group, which then read lines of 8
+  // rows of two tensors at once, and half-precision chunks (two vectors
+  // already) gained nothing, so they keep one chunk at a time.
+  static constexpr int kGroup = P == 1 ? 4 : 1;
+  template <typename F>
+  static void for_chunk_groups(int64_t vec_end, bool groups, const F& f) {
+    int64_t j = 0;
+    if (groups)
+      for (; j + kGroup * K <= vec_end; j += kGroup * K) f(j, std::integral_constant<int, kGroup>{});
+    for (; j < vec_end; j += K) f(j, std::integral_constant<int, 1>{});
+  }
+
   // The block's (count, mean, m2) partial of each of its channels: pass 1
   // takes the exact sums of x and max |x|, pass 2 (block in cache) the exact
   // sums of (x - centre)^2.
@@ -61,27 +77,28 @@ struct RowKernels {
     alignas(64) acc_t max_abs[kColumnBlock];
     alignas(64) acc_t centre[kColumnBlock];
     std::fill(max_abs, max_abs + nc, acc_t(0));
-    Vec v[P];
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for (int64_t j = 0; j < vec_end; j += K) {
-        Vec a[P], mx[P];
-        for (int q = 0; q < P; ++q) {
+      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
+        constexpr int N = decltype(group)::value * P;
+        Vec a[N], mx[N];
+        for (int q = 0; q < N; ++q) {
           a[q] = Vec(acc_t(0));
           mx[q] = Vec::loadu(max_abs + j + q * W);
         }
         for (int64_t o = r0; o < r1; ++o) {
-          IO::load(x + o * C + c0 + j, v);
-          for (int q = 0; q < P; ++q) {
+          Vec v[N];
+          IO::template load_chunks<decltype(group)::value>(x + o * C + c0 + j, v);
+          for (int q = 0; q < N; ++q) {
             a[q] = a[q] + v[q];
             mx[q] = at::vec::clamp_min(v[q].abs(), mx[q]);  // a plain max: see exact_centre
           }
         }
-        for (int q = 0; q < P; ++q) {
+        for (int q = 0; q < N; ++q) {
           sx.add(j + q * W, a[q]);
           mx[q].store(max_abs + j + q * W);
         }
-      }
+      });
       for (int64_t o = r0; o < r1; ++o) {
         const T* row = x + o * C + c0;
         for (int64_t j = vec_end; j < nc; ++j) {
@@ -95,21 +112,23 @@ struct RowKernels {
     ColumnSums sd(nc);
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for (int64_t j = 0; j < vec_end; j += K) {
-        Vec a[P], cv[P];
-        for (int q = 0; q < P; ++q) {
+      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
+        constexpr int N = decltype(group)::value * P;
+        Vec a[N], cv[N];
+        for (int q = 0; q < N; ++q) {
           a[q] = Vec(acc_t(0));
           cv[q] = Vec::loadu(centre + j + q * W);
         }
         for (int64_t o = r0; o < r1; ++o) {
-          IO::load(x + o * C + c0 + j, v);
-          for (int q = 0; q < P; ++q) {
+          Vec v[N];
+          IO::template load_chunks<decltype(group)::value>(x + o * C + c0 + j, v);
+          for (int q = 0; q < N; ++q) {
             const Vec d = v[q] - cv[q];
             a[q] = at::vec::fmadd(d, d, a[q]);
           }
         }
-        for (int q = 0; q < P; ++q) sd.add_nonnegative(j + q * W, a[q]);
-      }
+        for (int q = 0; q < N; ++q) sd.add_nonnegative(j + q * W, a[q]);
+      });
       for (int64_t o = r0; o < r1; ++o) {
         const T* row = x + o * C + c0;
         for (int64_t j = vec_end; j < nc; ++j) {
@@ -130,31 +149,36 @@ struct RowKernels {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
-    Vec xv[P], dv[P];
+    const bool one_group = vec_end <= kGroup * K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for (int64_t j = 0; j < vec_end; j += K) {
-        Vec run_dy[P], run_dy_xc[P], m[P];
-        for (int q = 0; q < P; ++q) {
-          run_dy[q] = run_dy_xc[q] = Vec(acc_t(0));
-          m[q] = Vec::loadu(mean + c0 + j + q * W);
-        }
-        const auto bound = ep.columns(c0 + j);
-        for (int64_t o = r0; o < r1; ++o) {
-          const int64_t off = o * C + c0 + j;
-          IO::load(dy + off, dv);
-          IO::load(x + off, xv);
-          bound.apply(off, K, xv, dv);
+      for_chunk_groups(vec_end, one_group, [&](int64_t j, auto group) {
+        constexpr int G = decltype(group)::value;
+        Vec run_dy[G][P], run_dy_xc[G][P], m[G][P];
+        for (int g = 0; g < G; ++g)
           for (int q = 0; q < P; ++q) {
-            run_dy[q] = run_dy[q] + dv[q];
-            run_dy_xc[q] = at::vec::fmadd(dv[q], xv[q] - m[q], run_dy_xc[q]);
+            run_dy[g][q] = run_dy_xc[g][q] = Vec(acc_t(0));
+            m[g][q] = Vec::loadu(mean + c0 + j + g * K + q * W);
+          }
+        for (int64_t o = r0; o < r1; ++o) {
+          for (int g = 0; g < G; ++g) {
+            const int64_t off = o * C + c0 + j + g * K;
+            Vec xv[P], dv[P];
+            IO::load(dy + off, dv);
+            IO::load(x + off, xv);
+            ep.columns(c0 + j + g * K).apply(off, K, xv, dv);
+            for (int q = 0; q < P; ++q) {
+              run_dy[g][q] = run_dy[g][q] + dv[q];
+              run_dy_xc[g][q] = at::vec::fmadd(dv[q], xv[q] - m[g][q], run_dy_xc[g][q]);
+            }
           }
         }
-        for (int q = 0; q < P; ++q) {
-          sum_dy.add(j + q * W, run_dy[q]);
-          sum_dy_xc.add(j + q * W, run_dy_xc[q]);
-        }
-      }
+        for (int g = 0; g < G; ++g)
+          for (int q = 0; q < P; ++q) {
+            sum_dy.add(j + g * K + q * W, run_dy[g][q]);
+            sum_dy_xc.add(j + g * K + q * W, run_dy_xc[g][q]);
+          }
+      });
       for (int64_t o = r0; o < r1; ++o) {
         const int64_t off = o * C + c0;
         for (int64_t j = vec_end; j < nc; ++j) {

@@ -55,6 +55,15 @@ struct Io {
       std::tie(v[0], v[1]) = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
     }
   }
+  // G consecutive chunks as G * kParts vectors, in memory order.
+  template <int G>
+  static void load_chunks(const T* p, Vec (&v)[G * kParts]) {
+    static_for<G>([&](auto g) {
+      Vec part[kParts];
+      load(p + g * kChunk, part);
+      for (int q = 0; q < kParts; ++q) v[g * kParts + q] = part[q];
+    });
+  }
   static void store(T* p, const Vec (&v)[kParts]) {
     if constexpr (kParts == 1) {
       v[0].store(p);
