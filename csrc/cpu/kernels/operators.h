@@ -65,6 +65,20 @@ void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e
   });
 }
 
+// The elementwise pass that follows a reduction over the same blocks: block
+// by block, each thread's range in reverse (starting with the blocks it read
+// last, still in its cache), or over the whole array in memory order when
+// planes are short (partition.h).
+template <typename T, typename E>
+void affine_after_reduction(const Blocks& b, const T* x, const T* y, T* out, const Extent& e,
+                            const math::AffineArrays<at::opmath_type<T>>& c, const E& ep) {
+  if (short_planes(b, e, sizeof(T))) {
+    affine_all<T>(b, x, y, out, e, c, ep);
+    return;
+  }
+  for_each_block(b, e, true, [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); });
+}
+
 // The elementwise pass's per-channel coefficients (math::ChannelAffine) as
 // arrays, of the accumulation type.
 template <typename A>
@@ -113,8 +127,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
   }
   for_each_block(b, e, false, reduce);
   for_each_channel_finish(b, e, finish);
-  if (short_planes(b, e, sizeof(T))) affine_all<T>(b, x, r, y, e, coefficients, ep);
-  else for_each_block(b, e, true, normalize);
+  affine_after_reduction<T>(b, x, r, y, e, coefficients, ep);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
@@ -165,8 +178,9 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   }
   if (need_sums) for_each_block(b, e, false, reduce);
   for_each_channel_finish(b, e, finish);
-  if (dx && need_sums && !short_planes(b, e, sizeof(T))) for_each_block(b, e, true, apply);
-  else if (dx) affine_all<T>(b, x, dy, dx, e, coefficients, ep);
+  if (!dx) return;
+  if (need_sums) affine_after_reduction<T>(b, x, dy, dx, e, coefficients, ep);
+  else affine_all<T>(b, x, dy, dx, e, coefficients, ep);
 }
 
 }  // namespace
