@@ -39,6 +39,7 @@ def _stack_per_sample(fn, in_dims, args):
 
 
 def _assert_vmap_is_per_sample(fn, in_dims, args):
+    in_dims = tuple(d if a is not None else None for a, d in zip(args, in_dims))  # None arguments: no dim
     with no_vmap_fallback():
         got = torch.vmap(fn, in_dims=in_dims)(*args)
     for g, e in zip(got, _stack_per_sample(fn, in_dims, args)):
@@ -140,6 +141,77 @@ def test_vmap_functional_batch_norm_matches_torch(in_dims):
     torch.testing.assert_close(out, torch.vmap(theirs, in_dims=in_dims)(x, w, b))
     expected = torch.vmap(torch.func.grad(lambda x, w, b: theirs(x, w, b).sin().sum(), argnums=(0, 1)), in_dims)(x, w, b)
     torch.testing.assert_close(grads, expected)
+
+
+ACT_FORWARD = torch.ops.torch_bn_grad.batch_norm_act_forward.default
+ACT_FORWARD_BITS = torch.ops.torch_bn_grad.batch_norm_act_forward_sign_bits.default
+ACT_BACKWARD = torch.ops.torch_bn_grad.batch_norm_act_backward.default
+ACTIVATIONS = [("identity", 0.0), ("relu", 0.0), ("leaky_relu", 0.2), ("silu", 0.0)]
+
+
+@pytest.mark.parametrize("shape,data_format", SAMPLES[:2] + SAMPLES[3:])
+@pytest.mark.parametrize("src_dim,param_dim", IN_DIMS[:3])
+@pytest.mark.parametrize("activation,slope", ACTIVATIONS)
+def test_vmap_fused_operators(shape, data_format, src_dim, param_dim, activation, slope):
+    """The batch_norm_act operators' batching rules, with and without a residual."""
+    g = torch.Generator().manual_seed(7)
+    src, dy, gamma, beta, mean, var = _vmap_args(shape, data_format, src_dim, param_dim, g)
+    _, residual, *_ = _vmap_args(shape, data_format, src_dim, param_dim, g)
+    fwd = lambda x, w, b, m, v, r: ACT_FORWARD(x, w, b, m, v, r, 1e-5, activation, slope, data_format, False)  # noqa: E731
+    dims = (src_dim,) + (param_dim,) * 4 + (src_dim,)
+    _assert_vmap_is_per_sample(fwd, dims, (src, gamma, beta, None, None, residual))
+    _assert_vmap_is_per_sample(fwd, dims, (src, gamma, beta, mean, var, None))
+    bits = lambda x, w, r: ACT_FORWARD_BITS(x, w, None, None, None, r, 1e-5, activation, slope, data_format)  # noqa: E731
+    with no_vmap_fallback():
+        dst, m, v, no_bits = torch.vmap(bits, in_dims=(src_dim, param_dim, src_dim), out_dims=(0, 0, 0, None))(
+            src, gamma, residual)
+    expected = _stack_per_sample(lambda x, w, r: fwd(x, w, None, None, None, r)[:3], (src_dim, param_dim, src_dim),
+                                 (src, gamma, residual))
+    torch.testing.assert_close((dst, m, v), tuple(expected))
+    assert no_bits.numel() == 0
+    for training in (True, False):
+        y = _stack_per_sample(lambda *a: fwd(*a)[:1], dims, (src, gamma, beta, mean, var, residual))[0]
+        # One sample's output per sample, laid out as src is.
+        y = y.movedim(0, src_dim) if src_dim is not None else y[0]
+
+        def bwd(dy, x, y, r, m, v, w, b):
+            return ACT_BACKWARD(dy, x, y, r, m, v, w, b, 1e-5, activation, slope, data_format, training, False,
+                                [True] * 4, None)
+
+        _assert_vmap_is_per_sample(bwd, (src_dim,) * 4 + (param_dim,) * 4, (dy, src, y, residual, mean, var, gamma, beta))
+
+
+@pytest.mark.parametrize("activation,slope,memory_saving",
+                         [a + (False,) for a in ACTIVATIONS] + [("identity", 0.0, True), ("leaky_relu", 0.2, True)])
+def test_vmap_grad_of_fused_functional_matches_torch(activation, slope, memory_saving):
+    """Per-sample gradients of batch_norm_act (vmap over grad, as in per-sample
+    gradient clipping) equal those of torch's batch_norm + residual + act."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(B, 6, 4, 5, dtype=torch.float64, generator=g) * 3 + 1
+    r = torch.randn(B, 6, 4, 5, dtype=torch.float64, generator=g)
+    w = torch.rand(B, 4, dtype=torch.float64, generator=g) + 0.5
+    b = torch.randn(4, dtype=torch.float64, generator=g)
+    act = {"identity": lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu,
+           "leaky_relu": lambda t: torch.nn.functional.leaky_relu(t, slope)}[activation]
+
+    def ours(x, w, r):
+        y = BF.batch_norm_act(x, None, None, w, b, training=True, residual=r, activation=activation,
+                              negative_slope=slope, memory_saving=memory_saving)
+        return y.sin().sum()
+
+    def theirs(x, w, r):
+        return act(torch.nn.functional.batch_norm(x, None, None, w, b, training=True) + r).sin().sum()
+
+    per_sample_grads = torch.vmap(torch.func.grad(ours, argnums=(0, 1, 2)), (0, 0, 0))
+    if memory_saving:
+        # torch.func.grad differentiates with the graph kept, which memory saving cannot give.
+        with pytest.raises(NotImplementedError, match="memory_saving=True does not keep"), no_vmap_fallback():
+            per_sample_grads(x, w, r)
+        return
+    with no_vmap_fallback():
+        got = per_sample_grads(x, w, r)
+    expected = torch.vmap(torch.func.grad(theirs, argnums=(0, 1, 2)), (0, 0, 0))(x, w, r)
+    torch.testing.assert_close(got, expected)
 
 
 def _mlp_params(g: torch.Generator) -> dict:

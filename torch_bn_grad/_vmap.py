@@ -100,47 +100,106 @@ def _per_sample(
     return outputs, tuple(0 if keep else None for keep in batched)
 
 
-def _forward_rule(info, in_dims, src, gamma, beta, mean, variance, epsilon, data_format):
-    """vmap of ``batch_norm_forward``: outputs (dst, mean, variance), all batched at dim 0."""
-    op = torch.ops.torch_bn_grad.batch_norm_forward.default
-    args = (src, gamma, beta, mean, variance, epsilon, data_format)
+def _fused_forward(op: Any, info, in_dims: tuple, args: tuple, data_format: str, data_indices: Sequence[int]):
+    """A forward operator's rule. ``args[0]`` is src, ``args[1:5]`` gamma, beta,
+    mean and variance; ``data_indices`` name the arguments of src's shape
+    (src, a residual). Outputs (dst, mean, variance), batched at dim 0."""
     b = info.batch_size
-    stats = list(zip((gamma, beta, mean, variance), in_dims[1:5]))
-    layout = _stats_layout(b, _sample_shape(src, in_dims[0]), data_format, stats)
-    if layout is None:
+    src_shape = _sample_shape(args[0], in_dims[0])
+    stats = list(zip(args[1:5], in_dims[1:5]))
+    data = [(i, args[i], in_dims[i]) for i in data_indices if args[i] is not None]
+    layout = _stats_layout(b, src_shape, data_format, stats)
+    if layout is None or any(_sample_shape(t, d) != src_shape for _, t, d in data):
         return _per_sample(op, b, in_dims, args)
-    gamma, beta, mean, variance = (_batched_stats(t, d, b, layout) for t, d in stats)
-    if gamma is None and beta is None and mean is None:
+    call = list(args)
+    for i, t, d in data:
+        call[i] = _batch_first(t, d, b)
+    call[1:5] = (_batched_stats(t, d, b, layout) for t, d in stats)
+    if call[1] is None and call[2] is None and call[3] is None:
         # Nothing carries the broadcast form: an identity gamma does (exact: the
         # kernel's default gamma is 1 too).
-        gamma = torch.ones((), dtype=accumulation_dtype(src), device=src.device).expand(b, *layout.kept)
-    dst, mean, variance = op(_batch_first(src, in_dims[0], b), gamma, beta, mean, variance, epsilon, data_format)
+        call[1] = torch.ones((), dtype=accumulation_dtype(args[0]), device=args[0].device).expand(b, *layout.kept)
+    dst, mean, variance = op(*call)[:3]
     return (dst, mean.reshape(b, *layout.logical), variance.reshape(b, *layout.logical)), (0, 0, 0)
 
 
-def _backward_rule(info, in_dims, src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
-    """vmap of ``batch_norm_backward``: the wanted outputs batched at dim 0."""
-    op = torch.ops.torch_bn_grad.batch_norm_backward.default
-    args = (src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask)
+def _fused_backward(op: Any, info, in_dims: tuple, args: tuple, data_format: str, data_indices: Sequence[int],
+                    stats_indices: Sequence[int], output_mask: Sequence[bool]):
+    """A backward operator's rule: ``data_indices`` name the arguments of src's
+    shape (the first is always given), ``stats_indices`` the per-channel ones.
+    Outputs 1 and 2 are per channel (diff_gamma, diff_beta), the others of
+    src's shape; the wanted ones batched at dim 0."""
     b = info.batch_size
-    stats = list(zip((mean, variance, gamma), in_dims[2:5]))
-    src_shape = _sample_shape(src, in_dims[0])
+    data = [(i, args[i], in_dims[i]) for i in data_indices if args[i] is not None]
+    src_shape = _sample_shape(data[0][1], data[0][2])
+    stats = [(args[i], in_dims[i]) for i in stats_indices]
     layout = _stats_layout(b, src_shape, data_format, stats)
-    if layout is None or _sample_shape(diff_dst, in_dims[1]) != src_shape:
+    if layout is None or any(_sample_shape(t, d) != src_shape for _, t, d in data):
         return _per_sample(op, b, in_dims, args, batched=output_mask)
-    mean, variance, gamma = (_batched_stats(t, d, b, layout) for t, d in stats)
-    diff_src, diff_gamma, diff_beta = op(
-        _batch_first(src, in_dims[0], b), _batch_first(diff_dst, in_dims[1], b),
-        mean, variance, gamma, epsilon, data_format, training, output_mask,
-    )
+    call = list(args)
+    for i, t, d in data:
+        call[i] = _batch_first(t, d, b)
+    for i, (t, d) in zip(stats_indices, stats):
+        call[i] = _batched_stats(t, d, b, layout)
     # Skipped outputs are the operator's unbatched empty placeholders.
-    outputs = (
-        diff_src,
-        diff_gamma.reshape(b, *layout.logical) if output_mask[1] else diff_gamma,
-        diff_beta.reshape(b, *layout.logical) if output_mask[2] else diff_beta,
+    outputs = tuple(
+        out.reshape(b, *layout.logical) if k in (1, 2) and output_mask[k] else out
+        for k, out in enumerate(op(*call))
     )
     return outputs, tuple(0 if wanted else None for wanted in output_mask)
 
 
+def _forward_rule(info, in_dims, src, gamma, beta, mean, variance, epsilon, data_format):
+    """vmap of ``batch_norm_forward``."""
+    args = (src, gamma, beta, mean, variance, epsilon, data_format)
+    return _fused_forward(torch.ops.torch_bn_grad.batch_norm_forward.default, info, in_dims, args, data_format, (0,))
+
+
+def _backward_rule(info, in_dims, src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
+    """vmap of ``batch_norm_backward``."""
+    args = (src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask)
+    return _fused_backward(torch.ops.torch_bn_grad.batch_norm_backward.default, info, in_dims, args, data_format,
+                           (0, 1), (2, 3, 4), output_mask)
+
+
+def _act_forward_rule(info, in_dims, src, gamma, beta, mean, variance, residual, epsilon, activation,
+                      negative_slope, data_format, memory_saving):
+    """vmap of ``batch_norm_act_forward``."""
+    args = (src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,
+            memory_saving)
+    return _fused_forward(torch.ops.torch_bn_grad.batch_norm_act_forward.default, info, in_dims, args,
+                          data_format, (0, 5))
+
+
+def _act_forward_sign_bits_rule(info, in_dims, src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                negative_slope, data_format):
+    """vmap of ``batch_norm_act_forward_sign_bits``: its sign bits would follow
+    the fused call's element order, not a sample's, so none are returned (an
+    empty tensor, which the backward takes as "read dst")."""
+    outputs, dims = _act_forward_rule(info, in_dims[:10] + (None,), src, gamma, beta, mean, variance, residual,
+                                      epsilon, activation, negative_slope, data_format, False)
+    no_bits = torch.empty(0, dtype=torch.uint8, device=src.device)
+    return outputs + (no_bits,), dims + (None,)
+
+
+def _act_backward_rule(info, in_dims, diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
+                       activation, negative_slope, data_format, training, from_output, output_mask,
+                       dst_positive=None):
+    """vmap of ``batch_norm_act_backward``. Sign bits taken per sample (the
+    per-sample forward's) keep the per-sample path; empty ones are dropped."""
+    op = torch.ops.torch_bn_grad.batch_norm_act_backward.default
+    in_dims = tuple(in_dims) + (None,) * (16 - len(in_dims))  # dst_positive has a default
+    if dst_positive is not None and dst_positive.numel() == 0 and in_dims[15] is None:
+        dst_positive = None
+    args = (diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation, negative_slope,
+            data_format, training, from_output, output_mask, dst_positive)
+    if dst_positive is not None:
+        return _per_sample(op, info.batch_size, in_dims, args, batched=output_mask)
+    return _fused_backward(op, info, in_dims, args, data_format, (0, 1, 2, 3), (4, 5, 6, 7), output_mask)
+
+
 torch.library.register_vmap("torch_bn_grad::batch_norm_forward", _forward_rule)
 torch.library.register_vmap("torch_bn_grad::batch_norm_backward", _backward_rule)
+torch.library.register_vmap("torch_bn_grad::batch_norm_act_forward", _act_forward_rule)
+torch.library.register_vmap("torch_bn_grad::batch_norm_act_forward_sign_bits", _act_forward_sign_bits_rule)
+torch.library.register_vmap("torch_bn_grad::batch_norm_act_backward", _act_backward_rule)
