@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include <c10/macros/Macros.h>
+
 #include "batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/exact_sum.h"
@@ -192,16 +194,92 @@ struct RowKernels {
     for (int64_t j = 0; j < nc; ++j) out.at(c0 + j, blk.slot) = {sum_dy.value(j), sum_dy_xc.value(j)};
   }
 
+  // One chunk's coefficients (AffineArrays at channel j), as vectors.
+  struct ChunkCoefficients {
+    Vec mean[P], x_scale[P], bias[P], dy_scale[P];
+  };
+  C10_ALWAYS_INLINE static ChunkCoefficients coefficients_at(math::AffineArrays<acc_t> c, int64_t j,
+                                                             bool with_dy) {
+    ChunkCoefficients k;
+    for (int q = 0; q < P; ++q) {
+      k.mean[q] = Vec::loadu(c.mean + j + q * W);
+      k.x_scale[q] = Vec::loadu(c.x_scale + j + q * W);
+      k.bias[q] = Vec::loadu(c.bias + j + q * W);
+      if (with_dy) k.dy_scale[q] = Vec::loadu(c.dy_scale + j + q * W);
+    }
+    return k;
+  }
+
+  // affine() of the full chunk at offset `off`, whose columns' hooks are `bound`.
+  template <typename Bound, typename E>
+  C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
+                                             const Bound& bound, const E& ep) {
+    Vec xv[P], yv[P];
+    IO::load(x + off, xv);
+    if (y) {
+      IO::load(y + off, yv);
+      bound.apply(off, K, xv, yv);
+      ep.store_dz(off, K, yv);
+    }
+    for (int q = 0; q < P; ++q) {
+      xv[q] = at::vec::fmadd(xv[q] - k.mean[q], k.x_scale[q], k.bias[q]);
+      if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
+      ep.post(xv[q]);
+    }
+    IO::store(out + off, xv);
+    ep.stored(out, off, K, xv);
+  }
+
+  // affine() of channels [k0, k1) of the row starting at offset `row`, one element at a time.
+  template <typename E>
+  static void affine_scalars(const T* x, const T* y, T* out, int64_t row, int64_t k0, int64_t k1,
+                             math::AffineArrays<acc_t> c, const E& ep) {
+    for (int64_t k = k0; k < k1; ++k) {
+      out[row + k] = scalar(x, y, row + k, k, c, ep);
+      ep.scalar_stored(row + k, out[row + k]);
+    }
+  }
+
+  // affine() over whole rows of G chunks (and a tail of under K channels),
+  // one row after the other, every chunk's coefficients held in registers
+  // for the whole block instead of reloaded each row.
+  template <int G, typename E>
+  static void few_chunk_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                          math::AffineArrays<acc_t> c, const E& ep) {
+    const int64_t C = e.channels;
+    ChunkCoefficients k[G];
+    for (int g = 0; g < G; ++g) k[g] = coefficients_at(c, g * K, y != nullptr);
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep);
+      affine_scalars(x, y, out, o * C, G * K, C, c, ep);
+    }
+  }
+
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
   // null (the forward's normalization, dy_scale unused). The epilogue turns
   // y into dz in the backward, or activates out in the forward.
   template <typename E = PlainEpilogue<T>>
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                     const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
+                     const math::AffineArrays<acc_t>& arrays, const E& ep = E{}) {
     const int64_t C = e.channels;
-    // Local copies: the vector stores may alias anything, c's fields included.
-    const acc_t *mean = c.mean, *dy_scale = c.dy_scale, *x_scale = c.x_scale, *bias = c.bias;
+    // Local copies, passed by value: the vector stores may alias anything,
+    // the arrays' pointers included, unless their address never escapes.
+    const math::AffineArrays<acc_t> c = arrays;
     const int64_t c0 = blk.s0, c1 = blk.s1;
+    // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
+    // channels) keep their coefficients in registers for the whole block:
+    // channels_last 32-64 channels and BatchNorm1d 4096x32 eval 0.77x-0.94x
+    // the time, training forward and backward 0.87x-0.98x.
+    constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
+    if (c0 == 0 && c1 == C) {
+      switch (C / K) {
+        case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep);
+        case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep); break;
+        case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep); break;
+        case 4: if constexpr (kFewChunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep); break;
+        default: break;
+      }
+    }
     // Each chunk's coefficients are loaded once for kAffineRows rows on
     // wide rows: with three or four coefficient vectors per data vector, L1
     // loads, not memory, bounded the single-row loop there.
@@ -212,38 +290,10 @@ struct RowKernels {
       int64_t j = c0;
       for (; j + K <= c1; j += K) {
         const auto bound = ep.columns(j);
-        Vec m[P], xs[P], b[P], ys[P];
-        for (int q = 0; q < P; ++q) {
-          const int64_t jq = j + q * W;
-          m[q] = Vec::loadu(mean + jq);
-          xs[q] = Vec::loadu(x_scale + jq);
-          b[q] = Vec::loadu(bias + jq);
-          if (y) ys[q] = Vec::loadu(dy_scale + jq);
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t off = (o + r) * C + j;
-          Vec xv[P], yv[P];
-          IO::load(x + off, xv);
-          if (y) {
-            IO::load(y + off, yv);
-            bound.apply(off, K, xv, yv);
-            ep.store_dz(off, K, yv);
-          }
-          for (int q = 0; q < P; ++q) {
-            xv[q] = at::vec::fmadd(xv[q] - m[q], xs[q], b[q]);
-            if (y) xv[q] = at::vec::fmadd(ys[q], yv[q], xv[q]);
-            ep.post(xv[q]);
-          }
-          IO::store(out + off, xv);
-          ep.stored(out, off, K, xv);
-        }
+        const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
+        for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep);
       }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t k = j; k < c1; ++k) {
-          const int64_t i = (o + r) * C + k;
-          out[i] = scalar(x, y, i, k, c, ep);
-          ep.scalar_stored(i, out[i]);
-        }
+      for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
       o += R;
     };
     // Narrow rows go one after the other: four rows per chunk jump between
@@ -264,7 +314,7 @@ struct RowKernels {
 
   // One element of affine(), of channel k, at offset i.
   template <typename E>
-  static T scalar(const T* x, const T* y, int64_t i, int64_t k, const math::AffineArrays<acc_t>& c, const E& ep) {
+  static T scalar(const T* x, const T* y, int64_t i, int64_t k, math::AffineArrays<acc_t> c, const E& ep) {
     acc_t xa = static_cast<acc_t>(x[i]);
     acc_t d = y ? static_cast<acc_t>(y[i]) : acc_t(0);
     if (y) {
