@@ -294,6 +294,7 @@ struct PlaneKernels {
     const ChannelAffine<E> ca(c, k, y != nullptr, ep);
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
+    const bool stream = streams_output(out, e, sizeof(T)) && blk.s0 * static_cast<int64_t>(sizeof(T)) % 64 == 0;
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
       const int64_t off = (o * C + k) * I + blk.s0;
       if (prefetch && o + kPrefetchAhead < blk.o1) {
@@ -302,8 +303,9 @@ struct PlaneKernels {
         if (y) prefetch_lines<false>(y + ahead, n);
         prefetch_lines<true>(out + ahead, n);
       }
-      ca.row(x, y, out, off, n, ep);
+      ca.row(x, y, out, off, n, ep, stream);
     }
+    if (stream) stream_fence();
   }
 
   // affine() over the planes [p0, p1) (plane p: outer row p / channels,
@@ -314,10 +316,12 @@ struct PlaneKernels {
   template <typename E = PlainEpilogue<T>>
   static void affine_planes(const T* x, const T* y, T* out, const Extent& e, int64_t p0, int64_t p1,
                             const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
+    const bool stream = streams_output(out, e, sizeof(T));
     for (int64_t p = p0; p < p1; ++p) {
       const ChannelAffine<E> ca(c, p % e.channels, y != nullptr, ep);
-      ca.row(x, y, out, p * e.inner, e.inner, ep);
+      ca.row(x, y, out, p * e.inner, e.inner, ep, stream);
     }
+    if (stream) stream_fence();
   }
 
   // One channel's coefficients as vectors, and the elementwise pass over
@@ -329,7 +333,8 @@ struct PlaneKernels {
     ChannelAffine(const math::AffineArrays<acc_t>& c, int64_t k, bool with_y, const E& ep)
         : bound(ep.plane(k)), m(c.mean[k]), xs(c.x_scale[k]), b(c.bias[k]), ys(with_y ? c.dy_scale[k] : acc_t(0)) {}
 
-    C10_ALWAYS_INLINE void chunk(const T* x, const T* y, T* out, int64_t off, int64_t lanes, const E& ep) const {
+    C10_ALWAYS_INLINE void chunk(const T* x, const T* y, T* out, int64_t off, int64_t lanes, const E& ep,
+                                 bool stream) const {
       Vec xv[P], yv[P];
       if (lanes == K) IO::load(x + off, xv); else IO::load_partial(x + off, lanes, xv);
       if (y) {
@@ -342,13 +347,17 @@ struct PlaneKernels {
         if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
         ep.post(xv[q]);
       }
-      if (lanes == K) IO::store(out + off, xv); else IO::store_partial(out + off, lanes, xv);
+      if (lanes < K) IO::store_partial(out + off, lanes, xv);
+      else if (stream) IO::store_stream(out + off, xv);
+      else IO::store(out + off, xv);
       ep.stored(out, off, lanes, xv);
     }
-    C10_ALWAYS_INLINE void row(const T* x, const T* y, T* out, int64_t off, int64_t n, const E& ep) const {
+    // `stream`: full chunks are written with streaming stores (row starts aligned).
+    C10_ALWAYS_INLINE void row(const T* x, const T* y, T* out, int64_t off, int64_t n, const E& ep,
+                               bool stream) const {
       int64_t j = 0;
-      for (; j + K <= n; j += K) chunk(x, y, out, off + j, K, ep);
-      if (j < n) chunk(x, y, out, off + j, n - j, ep);
+      for (; j + K <= n; j += K) chunk(x, y, out, off + j, K, ep, stream);
+      if (j < n) chunk(x, y, out, off + j, n - j, ep, stream);
     }
   };
 };

@@ -213,7 +213,7 @@ struct RowKernels {
   // affine() of the full chunk at offset `off`, whose columns' hooks are `bound`.
   template <typename Bound, typename E>
   C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
-                                             const Bound& bound, const E& ep) {
+                                             const Bound& bound, const E& ep, bool stream) {
     Vec xv[P], yv[P];
     IO::load(x + off, xv);
     if (y) {
@@ -226,7 +226,8 @@ struct RowKernels {
       if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
       ep.post(xv[q]);
     }
-    IO::store(out + off, xv);
+    if (stream) IO::store_stream(out + off, xv);
+    else IO::store(out + off, xv);
     ep.stored(out, off, K, xv);
   }
 
@@ -245,14 +246,15 @@ struct RowKernels {
   // for the whole block instead of reloaded each row.
   template <int G, typename E>
   static void few_chunk_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                          math::AffineArrays<acc_t> c, const E& ep) {
+                          math::AffineArrays<acc_t> c, const E& ep, bool stream) {
     const int64_t C = e.channels;
     ChunkCoefficients k[G];
     for (int g = 0; g < G; ++g) k[g] = coefficients_at(c, g * K, y != nullptr);
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep);
+      for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep, stream);
       affine_scalars(x, y, out, o * C, G * K, C, c, ep);
     }
+    if (stream) stream_fence();
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
@@ -266,6 +268,7 @@ struct RowKernels {
     // the arrays' pointers included, unless their address never escapes.
     const math::AffineArrays<acc_t> c = arrays;
     const int64_t c0 = blk.s0, c1 = blk.s1;
+    const bool stream = streams_output(out, e, sizeof(T));
     // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
     // channels) keep their coefficients in registers for the whole block:
     // channels_last 32-64 channels and BatchNorm1d 4096x32 eval 0.77x-0.94x
@@ -273,10 +276,10 @@ struct RowKernels {
     constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
     if (c0 == 0 && c1 == C) {
       switch (C / K) {
-        case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep);
-        case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep); break;
-        case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep); break;
-        case 4: if constexpr (kFewChunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep); break;
+        case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep, stream);
+        case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream); break;
+        case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream); break;
+        case 4: if constexpr (kFewChunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream); break;
         default: break;
       }
     }
@@ -291,7 +294,7 @@ struct RowKernels {
       for (; j + K <= c1; j += K) {
         const auto bound = ep.columns(j);
         const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
-        for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep);
+        for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
       }
       for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
       o += R;
@@ -310,6 +313,7 @@ struct RowKernels {
     if (!sequential)
       while (o + kAffineRows <= blk.o1) rows(std::integral_constant<int64_t, kAffineRows>{});
     while (o < blk.o1) rows(std::integral_constant<int64_t, 1>{});
+    if (stream) stream_fence();
   }
 
   // One element of affine(), of channel k, at offset i.

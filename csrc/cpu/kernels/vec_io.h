@@ -15,6 +15,10 @@
 #include <type_traits>
 #include <utility>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {
@@ -36,6 +40,14 @@ inline void prefetch_lines(const T* p, int64_t n) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p + n);
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(kLine - 1); a < end; a += kLine)
     __builtin_prefetch(reinterpret_cast<const void*>(a), kWrite ? 1 : 0, 3);
+}
+
+// Orders the streaming stores made so far before any later store: called
+// when a thread's part of a pass that streamed its output is done.
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
 }
 
 // Loads and stores `T` data in chunks of one full vector of T, as kParts
@@ -71,6 +83,20 @@ struct Io {
       at::vec::convert_from_float<T>(v[0], v[1]).store(p);
     }
   }
+  // store() as a non-temporal (streaming) store, which writes the lines
+  // without reading them first and leaves them out of the caches; p must be
+  // aligned to the chunk. Without AVX2 or AVX512, a plain store.
+  static void store_stream(T* p, const Vec (&v)[kParts]) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kParts == 1) {
+      stream(p, v[0]);
+    } else {
+      stream(p, at::vec::convert_from_float<T>(v[0], v[1]));
+    }
+#else
+    store(p, v);
+#endif
+  }
   // The first n (< kChunk) elements; the other lanes read as zero.
   static void load_partial(const T* p, int64_t n, Vec (&v)[kParts]) {
     if constexpr (kParts == 1) {
@@ -86,6 +112,17 @@ struct Io {
       at::vec::convert_from_float<T>(v[0], v[1]).store(p, n);
     }
   }
+
+ private:
+#if defined(CPU_CAPABILITY_AVX512)
+  static void stream(float* p, __m512 v) { _mm512_stream_ps(p, v); }
+  static void stream(double* p, __m512d v) { _mm512_stream_pd(p, v); }
+  static void stream(void* p, __m512i v) { _mm512_stream_si512(static_cast<__m512i*>(p), v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+  static void stream(float* p, __m256 v) { _mm256_stream_ps(p, v); }
+  static void stream(double* p, __m256d v) { _mm256_stream_pd(p, v); }
+  static void stream(void* p, __m256i v) { _mm256_stream_si256(static_cast<__m256i*>(p), v); }
+#endif
 };
 
 }  // namespace

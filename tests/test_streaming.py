@@ -1,0 +1,74 @@
+"""Large outputs, which the CPU kernels write with streaming stores.
+
+Outputs of 16 MB or more whose lines (plane rows, or rows of channels) start on
+a cache line are written with non-temporal stores (``streams_output`` in
+``csrc/cpu/kernels/partition.h``), one intrinsic per ISA. Each ISA copy runs in
+its own process (``ATEN_CPU_CAPABILITY``) and is checked against float64
+autograd of ``torch.nn.functional.batch_norm``: forward (batch and frozen
+statistics), and backward, for NCHW planes, channels_last rows and
+BatchNorm1d rows, float32 and bfloat16. A missing fence or a misaligned or
+dropped store would show as errors far above the tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+_SCRIPT = r"""
+import json, torch, torch.nn.functional as F, torch_bn_grad
+g = torch.Generator().manual_seed(11)
+cases = [((32, 64, 48, 48), torch.float32, False), ((32, 64, 48, 48), torch.float32, True),
+         ((4608, 1024), torch.float32, False), ((32, 64, 64, 64), torch.bfloat16, False),
+         ((32, 64, 64, 64), torch.bfloat16, True)]
+errors = []
+for shape, dtype, channels_last in cases:
+    assert torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() >= 16 << 20
+    x = (torch.randn(shape, generator=g) * 2 + 1).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    if channels_last:
+        x, dy = x.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    C = shape[1]
+    gamma, beta = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    dst, mean, var = torch_bn_grad.batch_norm_forward(x, gamma, beta, epsilon=1e-5)
+    frozen, _, _ = torch_bn_grad.batch_norm_forward(x, gamma, beta, mean, var, epsilon=1e-5)
+    dx, dgamma, dbeta = torch_bn_grad.batch_norm_backward(x, dy, mean, var, gamma, epsilon=1e-5)
+    xd = x.double().requires_grad_()
+    gd, bd = gamma.double().requires_grad_(), beta.double().requires_grad_()
+    ref = F.batch_norm(xd, None, None, gd, bd, training=True, eps=1e-5)
+    ref_dx, ref_dg, ref_db = torch.autograd.grad(ref, (xd, gd, bd), dy.double())
+    ref_frozen = F.batch_norm(x.double(), mean.double(), var.double(), gamma.double(), beta.double(),
+                              training=False, eps=1e-5)
+    def err(a, b):
+        return ((a.double() - b) / (b.abs() + 1)).abs().max().item()
+    errors.append({"case": f"{shape} {dtype} channels_last={channels_last}",
+                   "dst_is_channels_last": dst.is_contiguous(memory_format=torch.channels_last) if channels_last else None,
+                   "dst": err(dst, ref.detach()), "frozen": err(frozen, ref_frozen),
+                   "dx": err(dx, ref_dx), "dgamma": err(dgamma, ref_dg), "dbeta": err(dbeta, ref_db)})
+print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "errors": errors}))
+"""
+
+
+def test_large_outputs_on_every_isa():
+    order = ["default", "avx2", "avx512"]
+    supported = torch.backends.cpu.get_cpu_capability().lower()
+    capabilities = order[: order.index(supported) + 1] if supported in order else ["default"]
+    for capability in capabilities:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        run = json.loads(proc.stdout)
+        assert run["isa"] == capability.upper()
+        for case in run["errors"]:
+            half = "bfloat16" in case["case"]
+            # Relative to |reference| + 1: one rounding of the output (bfloat16's is 2^-8).
+            bound = 2 ** -7 if half else 1e-5
+            for name in ("dst", "frozen", "dx"):
+                assert case[name] < bound, (capability, case)
+            for name in ("dgamma", "dbeta"):
+                assert case[name] < 1e-4, (capability, case)
+            assert case["dst_is_channels_last"] in (None, True), (capability, case)
