@@ -6,8 +6,9 @@ a cache line are written with non-temporal stores (``streams_output`` in
 its own process (``ATEN_CPU_CAPABILITY``) and is checked against float64
 autograd of ``torch.nn.functional.batch_norm``: forward (batch and frozen
 statistics), and backward, for NCHW planes, channels_last rows and
-BatchNorm1d rows, float32 and bfloat16. A missing fence or a misaligned or
-dropped store would show as errors far above the tolerances.
+BatchNorm1d rows, float32 and bfloat16: a wrong, misplaced or dropped
+streaming store shows as errors far above the tolerances (a store off by a
+factor of 1 + 1e-4 fails).
 """
 
 from __future__ import annotations

@@ -69,15 +69,17 @@ struct ForwardAct : PlainEpilogue<T> {
   BitIndex bit;
   void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
   acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
-  void stored(const T* out, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
+  void stored(const T*, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     constexpr int64_t K = IO::kChunk;
     if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
       if (!positive) return;
       if constexpr (P == 1) {
         write_bits<K>(positive, bit(off), chunk_positive_bits<T>(v), static_cast<int>(lanes));
       } else {
+        // The stored values, rounded in registers as the store rounded them:
+        // reading them back would stall on a streaming store (partition.h).
         Vec rounded[P];
-        if (lanes == K) IO::load(out + off, rounded); else IO::load_partial(out + off, lanes, rounded);
+        std::tie(rounded[0], rounded[1]) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v[0], v[1]));
         write_bits<K>(positive, bit(off), chunk_positive_bits<T>(rounded), static_cast<int>(lanes));
       }
     }
