@@ -159,23 +159,26 @@ inline bool short_planes(const Blocks& b, const Extent& e, size_t element_bytes)
          (plane_bytes < kShortPlaneBytesLarge && e.outer * e.channels * plane_bytes >= kLargeTensorBytes);
 }
 
-// Outputs of this size or more are written with streaming stores
-// (Io::store_stream): they do not stay in the caches for the next operator
-// anyway, and a streaming store skips reading each line before writing it.
-// Measured here (2 threads, A/B in one process, results bitwise equal):
-// outputs of 16 MB to 100 MB (NCHW, channels_last, BatchNorm1d) took
-// 0.69x-0.95x the time forward, backward and eval, with a few level; outputs
-// of 6 to 12 MB, which stay in the 32 MB L3 between calls, 1.2x-2x.
-constexpr int64_t kStreamOutputBytes = int64_t{16} << 20;
+// An elementwise pass that moves this many bytes or more (its inputs and its
+// output) writes the output with streaming stores (Io::store_stream): the
+// output does not stay in the caches for the next operator anyway, and a
+// streaming store writes a line without reading it first. 48 MB is 1.5x this
+// machine's L3. Measured here (2 threads, A/B in one process, results
+// bitwise equal): backward passes (x, dy, dx) of 16 MB outputs 0.77x-0.92x
+// the time; forward and eval passes (x, out) of 24 MB to 100 MB outputs
+// 0.63x-0.95x, but of 16-18 MB outputs up to 1.3x (when the previous call's
+// output is still in the L3, a plain store finds its lines there).
+constexpr int64_t kStreamPassBytes = int64_t{48} << 20;
 
-// Whether an elementwise pass writes `out` with streaming stores: it is large,
-// and every line (a plane row, or a row of channels) starts on a cache line,
-// so that full chunks are aligned stores that fill whole lines.
-inline bool streams_output(const void* out, const Extent& e, size_t element_bytes) {
+// Whether an elementwise pass over `operands` tensors of e's size (the output
+// included) writes `out` with streaming stores: it moves kStreamPassBytes or
+// more, and every line (a plane row, or a row of channels) starts on a cache
+// line, so that full chunks are aligned stores that fill whole lines.
+inline bool streams_output(const void* out, const Extent& e, size_t element_bytes, int operands) {
   constexpr int64_t kLine = 64;
   const auto bytes = static_cast<int64_t>(element_bytes);
   const int64_t line_bytes = (e.inner > 1 ? e.inner : e.channels) * bytes;
-  return e.outer * e.channels * e.inner * bytes >= kStreamOutputBytes && line_bytes % kLine == 0 &&
+  return operands * e.outer * e.channels * e.inner * bytes >= kStreamPassBytes && line_bytes % kLine == 0 &&
          reinterpret_cast<uintptr_t>(out) % kLine == 0;
 }
 

@@ -294,7 +294,7 @@ struct PlaneKernels {
     const ChannelAffine<E> ca(c, k, y != nullptr, ep);
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
-    const bool stream = streams_output(out, e, sizeof(T)) && blk.s0 * static_cast<int64_t>(sizeof(T)) % 64 == 0;
+    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2) && blk.s0 * static_cast<int64_t>(sizeof(T)) % 64 == 0;
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
       const int64_t off = (o * C + k) * I + blk.s0;
       if (prefetch && o + kPrefetchAhead < blk.o1) {
@@ -316,7 +316,7 @@ struct PlaneKernels {
   template <typename E = PlainEpilogue<T>>
   static void affine_planes(const T* x, const T* y, T* out, const Extent& e, int64_t p0, int64_t p1,
                             const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
-    const bool stream = streams_output(out, e, sizeof(T));
+    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
     for (int64_t p = p0; p < p1; ++p) {
       const ChannelAffine<E> ca(c, p % e.channels, y != nullptr, ep);
       ca.row(x, y, out, p * e.inner, e.inner, ep, stream);

@@ -268,7 +268,7 @@ struct RowKernels {
     // the arrays' pointers included, unless their address never escapes.
     const math::AffineArrays<acc_t> c = arrays;
     const int64_t c0 = blk.s0, c1 = blk.s1;
-    const bool stream = streams_output(out, e, sizeof(T));
+    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
     // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
     // channels) keep their coefficients in registers for the whole block:
     // channels_last 32-64 channels and BatchNorm1d 4096x32 eval 0.77x-0.94x
