@@ -294,7 +294,8 @@ struct PlaneKernels {
     const ChannelAffine<E> ca(c, k, y != nullptr, ep);
     const int64_t n = blk.s1 - blk.s0;
     const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
-    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2) && blk.s0 * static_cast<int64_t>(sizeof(T)) % 64 == 0;
+    // Each row starts a whole number of planes after out + blk.s0.
+    const bool stream = streams_output(out + blk.s0, e, sizeof(T), y ? 3 : 2);
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
       const int64_t off = (o * C + k) * I + blk.s0;
       if (prefetch && o + kPrefetchAhead < blk.o1) {

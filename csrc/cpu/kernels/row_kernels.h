@@ -254,25 +254,34 @@ struct RowKernels {
       for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep, stream);
       affine_scalars(x, y, out, o * C, G * K, C, c, ep);
     }
-    if (stream) stream_fence();
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
   // null (the forward's normalization, dy_scale unused). The epilogue turns
   // y into dz in the backward, or activates out in the forward.
+  // Streamed outputs (partition.h) are fenced here, once a block.
   template <typename E = PlainEpilogue<T>>
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                      const math::AffineArrays<acc_t>& arrays, const E& ep = E{}) {
+    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
+    affine_rows(x, y, out, e, blk, arrays, ep, stream);
+    if (stream) stream_fence();
+  }
+
+  // affine() without the fence, `stream` decided.
+  template <typename E>
+  static void affine_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                          const math::AffineArrays<acc_t>& arrays, const E& ep, bool stream) {
     const int64_t C = e.channels;
     // Local copies, passed by value: the vector stores may alias anything,
     // the arrays' pointers included, unless their address never escapes.
     const math::AffineArrays<acc_t> c = arrays;
     const int64_t c0 = blk.s0, c1 = blk.s1;
-    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
     // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
     // channels) keep their coefficients in registers for the whole block:
-    // channels_last 32-64 channels and BatchNorm1d 4096x32 eval 0.77x-0.94x
-    // the time, training forward and backward 0.87x-0.98x.
+    // channels_last 32-64 channels and rows of 32-64 channels, float32 and
+    // bfloat16, took 0.83x-1.0x the time forward and backward, eval
+    // 0.74x-0.99x (A/B in one process, 2 threads).
     constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
     if (c0 == 0 && c1 == C) {
       switch (C / K) {
@@ -313,7 +322,6 @@ struct RowKernels {
     if (!sequential)
       while (o + kAffineRows <= blk.o1) rows(std::integral_constant<int64_t, kAffineRows>{});
     while (o < blk.o1) rows(std::integral_constant<int64_t, 1>{});
-    if (stream) stream_fence();
   }
 
   // One element of affine(), of channel k, at offset i.
