@@ -44,6 +44,9 @@ struct GateBase {
   using Vec = typename IO::Vec;
   static constexpr int P = IO::kParts;
   static constexpr int64_t K = IO::kChunk;
+  // Sign bits are read per line and InputGate binds channels' coefficients:
+  // neither takes a chunk across planes (epilogue.h); OutputGate does.
+  static constexpr bool kSegmentChunks = false;
 
   static void load(const T* p, int64_t off, int64_t lanes, Vec (&v)[P]) {
     if (lanes == K) IO::load(p + off, v);
@@ -145,6 +148,7 @@ struct OutputGate : DzOut<T> {
   const T* y = nullptr;  // normal mode
   const T* r = nullptr;  // kFromOutput: the residual, or null
   acc_t slope = 0;
+  static constexpr bool kSegmentChunks = true;
 
   void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
     if constexpr (!Act::kNeedsGate && !kFromOutput) return;

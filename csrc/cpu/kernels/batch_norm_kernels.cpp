@@ -53,10 +53,10 @@ namespace {
 // ---------------------------------------------------------------- split-stage primitives
 template <typename T>
 void batch_moments_impl(const T* x, const Extent& e, double* mean, double* m2) {
-  const Blocks b(e);
-  Partials<Moments> parts(e.channels, b.per_channel());
-  for_each_block(b, e, false, [&](const Block& blk) { stats_block(b, x, e, blk, parts); });
-  for_each_channel_finish(b, e, [&](int64_t k) {
+  const Reduction red = reduction_for<T>(Blocks(e), e);
+  Partials<Moments> parts(e.channels, red.blocks.per_channel());
+  for_each_reduction_block(red, [&](const Block& blk) { stats_block(red, x, blk, parts); });
+  for_each_channel_finish(red.blocks, e, [&](int64_t k) {
     const Moments m = parts.merged(k, {0, 0, 0});
     mean[k] = m.mean;
     m2[k] = m.m2;
@@ -67,12 +67,12 @@ template <typename T>
 void grad_sums_impl(const T* x, const T* dy, const Extent& e, const double* mean, double* sum_dy,
                     double* sum_dy_xc) {
   using acc_t = at::opmath_type<T>;
-  const Blocks b(e);
+  const Reduction red = reduction_for<T>(Blocks(e), e);
   std::vector<acc_t> centre(e.channels);
   for (int64_t k = 0; k < e.channels; ++k) centre[k] = static_cast<acc_t>(mean[k]);
-  Partials<GradSums> parts(e.channels, b.per_channel());
-  for_each_block(b, e, false, [&](const Block& blk) { grad_sums_block(b, x, dy, e, blk, centre.data(), parts); });
-  for_each_channel_finish(b, e, [&](int64_t k) {
+  Partials<GradSums> parts(e.channels, red.blocks.per_channel());
+  for_each_reduction_block(red, [&](const Block& blk) { grad_sums_block(red, x, dy, blk, centre.data(), parts); });
+  for_each_channel_finish(red.blocks, e, [&](int64_t k) {
     const GradSums s = math::recentre(parts.merged(k, {0, 0}), mean[k], static_cast<double>(centre[k]));
     sum_dy[k] = s.sum_dy;
     sum_dy_xc[k] = s.sum_dy_xc;

@@ -16,6 +16,9 @@
 // * `scalar(i, k, x, dy)`, `scalar_post(v)`, `scalar_store_dz(i, dz)`,
 //   `scalar_stored(i, value)`: the same for one element of channel k (the row
 //   kernels' tails).
+// * `kSegmentChunks`: whether the hooks take chunks that run across channels
+//   and plane rows (a segment reduction of short planes, partition.h): true
+//   when they hold no per-channel data and address elements by offset only.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +34,7 @@ struct PlainEpilogue {
   using acc_t = typename Io<T>::acc_t;
   using Vec = typename Io<T>::Vec;
   static constexpr int P = Io<T>::kParts;
+  static constexpr bool kSegmentChunks = true;
 
   struct Bound {
     void apply(int64_t, int64_t, Vec (&)[P], Vec (&)[P]) const {}

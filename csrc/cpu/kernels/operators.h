@@ -24,18 +24,38 @@ using Moments = math::Moments<double>;
 using GradSums = math::GradSums<double>;
 
 // ---------------------------------------------------------------- one block
-// The plane or the row kernel for a block of partition `b`.
+// The partition a reduction runs over: `blocks` of `extent`, the operator's
+// own, or for short planes its segment rows (partition.h,
+// reduces_as_segments) when the epilogue takes such chunks.
+struct Reduction {
+  Blocks blocks;
+  Extent extent;
+};
+
+template <typename T, typename E = PlainEpilogue<T>>
+Reduction reduction_for(const Blocks& b, const Extent& e) {
+  if (E::kSegmentChunks && reduces_as_segments(b, e, sizeof(T))) return {Blocks::segments(e), Blocks::segment_rows(e)};
+  return {b, e};
+}
+
+// The plane or the row kernel for a block of reduction `r`.
 template <typename T>
-void stats_block(const Blocks& b, const T* x, const Extent& e, const Block& blk, Partials<Moments>& out) {
-  if (b.planes) PlaneKernels<T>::stats(x, e, blk, out);
-  else RowKernels<T>::stats(x, e, blk, out);
+void stats_block(const Reduction& r, const T* x, const Block& blk, Partials<Moments>& out) {
+  if (r.blocks.planes) PlaneKernels<T>::stats(x, r.extent, blk, out);
+  else RowKernels<T>::stats(x, r.extent, blk, out, r.blocks.span);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
-void grad_sums_block(const Blocks& b, const T* x, const T* dy, const Extent& e, const Block& blk,
-                     const at::opmath_type<T>* mean, Partials<GradSums>& out, const E& ep = E{}) {
-  if (b.planes) PlaneKernels<T>::grad_sums(x, dy, e, blk, mean, out, ep);
-  else RowKernels<T>::grad_sums(x, dy, e, blk, mean, out, ep);
+void grad_sums_block(const Reduction& r, const T* x, const T* dy, const Block& blk, const at::opmath_type<T>* mean,
+                     Partials<GradSums>& out, const E& ep = E{}) {
+  if (r.blocks.planes) PlaneKernels<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep);
+  else RowKernels<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep, r.blocks.span);
+}
+
+// Runs f on every block of reduction `r` in parallel (for_each_block).
+template <typename F>
+void for_each_reduction_block(const Reduction& r, const F& f) {
+  for_each_block(r.blocks, r.extent, false, f);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
@@ -110,10 +130,11 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
                         double eps, double* mean, double* var, const E& ep = E{}) {
   using acc_t = at::opmath_type<T>;
   const Blocks b(e);
-  Partials<Moments> parts(e.channels, b.per_channel());
+  const Reduction red = reduction_for<T>(b, e);
+  Partials<Moments> parts(e.channels, red.blocks.per_channel());
   AffineTable<acc_t> co(e.channels);
   const math::AffineArrays<acc_t> coefficients = co.arrays();
-  auto reduce = [&](const Block& blk) { stats_block(b, x, e, blk, parts); };
+  auto reduce = [&](const Block& blk) { stats_block(red, x, blk, parts); };
   auto finish = [&](int64_t k) {
     const Moments m = parts.merged(k, {0, 0, 0});
     mean[k] = m.mean;
@@ -125,8 +146,8 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
     for_each_channel(b, e, reduce, finish, normalize);
     return;
   }
-  for_each_block(b, e, false, reduce);
-  for_each_channel_finish(b, e, finish);
+  for_each_reduction_block(red, reduce);
+  for_each_channel_finish(red.blocks, e, finish);
   affine_after_reduction<T>(b, x, r, y, e, coefficients, ep);
 }
 
@@ -153,12 +174,13 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   const Blocks b(e);
   const bool need_sums = training || diff_gamma != nullptr || diff_beta != nullptr;
   const double count = static_cast<double>(e.reduced());
-  Partials<GradSums> parts(e.channels, b.per_channel());
+  const Reduction red = reduction_for<T, E>(b, e);
+  Partials<GradSums> parts(e.channels, red.blocks.per_channel());
   AffineTable<acc_t> co(e.channels);
   // The sums are centred on the rounded centre the elementwise pass subtracts.
   for (int64_t k = 0; k < e.channels; ++k) co.mean[k] = static_cast<acc_t>(centre[k]);
   const math::AffineArrays<acc_t> coefficients = co.arrays();
-  auto reduce = [&](const Block& blk) { grad_sums_block(b, x, dy, e, blk, coefficients.mean, parts, ep); };
+  auto reduce = [&](const Block& blk) { grad_sums_block(red, x, dy, blk, coefficients.mean, parts, ep); };
   auto finish = [&](int64_t k) {
     GradSums sums{0, 0};
     if (need_sums) sums = parts.merged(k, {0, 0});
@@ -176,8 +198,8 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     for_each_channel(b, e, reduce, finish, apply);
     return;
   }
-  if (need_sums) for_each_block(b, e, false, reduce);
-  for_each_channel_finish(b, e, finish);
+  if (need_sums) for_each_reduction_block(red, reduce);
+  for_each_channel_finish(red.blocks, e, finish);
   if (!dx) return;
   if (need_sums) affine_after_reduction<T>(b, x, dy, dx, e, coefficients, ep);
   else affine_all<T>(b, x, dy, dx, e, coefficients, ep);

@@ -69,16 +69,56 @@ struct RowKernels {
   }
 
   // The block's (count, mean, m2) partial of each of its channels: pass 1
-  // takes the exact sums of x and max |x|, pass 2 (block in cache) the exact
-  // sums of (x - centre)^2.
-  static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
-    const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
-    const double count = static_cast<double>(blk.o1 - blk.o0);
+  // takes the exact sums of x and max |x| per column, pass 2 (block in
+  // cache) the exact sums of (x - centre)^2. A channel is `span` adjacent
+  // columns (Blocks::segments; 1 otherwise), its column sums added in
+  // float64 (segment_total).
+  static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out,
+                    int64_t span = 1) {
+    const int64_t nc = blk.s1 - blk.s0;
+    const double rows = static_cast<double>(blk.o1 - blk.o0);
     ColumnSums sx(nc);
     alignas(64) acc_t max_abs[kColumnBlock];
     alignas(64) acc_t centre[kColumnBlock];
     std::fill(max_abs, max_abs + nc, acc_t(0));
+    sum_max_pass(x, e, blk, sx, max_abs);
+    if (span == 1) {
+      for (int64_t j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sx.value(j) / rows, max_abs[j]);
+    } else {
+      for (int64_t j = 0; j < nc; j += span) {
+        const acc_t c = exact_centre<acc_t>(segment_total(sx, j, span) / (rows * static_cast<double>(span)),
+                                            *std::max_element(max_abs + j, max_abs + j + span));
+        std::fill(centre + j, centre + j + span, c);
+      }
+    }
+    ColumnSums sd(nc);
+    squares_pass(x, e, blk, centre, sd);
+    for (int64_t j = 0; j < nc; j += span)
+      out.at((blk.s0 + j) / span, blk.slot) = math::centred_moments(
+          rows * static_cast<double>(span), segment_total(sx, j, span), centre[j], segment_total(sd, j, span));
+  }
+
+  // Sum of columns [j, j + n) of `s` in float64, in a fixed order: lanes of
+  // eight (vectors of double) across the columns, then a fixed tree.
+  static double segment_total(const ColumnSums& s, int64_t j, int64_t n) {
+    if (n == 1) return s.value(j);
+    using VecD = at::vec::Vectorized<double>;
+    constexpr int64_t D = VecD::size();
+    alignas(64) double lanes[D] = {};
+    for (int64_t i = 0; i < n; i += D) {
+      const int64_t m = std::min(D, n - i);
+      for (int64_t l = 0; l < m; ++l) lanes[l] += static_cast<double>(s.sum[j + i + l]) + static_cast<double>(s.err[j + i + l]);
+    }
+    for (int64_t half = D / 2; half >= 1; half /= 2)
+      for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+    return lanes[0];
+  }
+
+  // Statistics pass 1 over the block: exact sums of x (plain runs of
+  // kRowRun rows, each added exactly) and max |x|, per column.
+  static void sum_max_pass(const T* x, const Extent& e, const Block& blk, ColumnSums& sx, acc_t* max_abs) {
+    const int64_t C = e.channels;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
       for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
@@ -110,8 +150,12 @@ struct RowKernels {
         }
       }
     }
-    for (int64_t j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sx.value(j) / count, max_abs[j]);
-    ColumnSums sd(nc);
+  }
+
+  // Statistics pass 2 over the block: exact sums of (x - centre)^2 per column.
+  static void squares_pass(const T* x, const Extent& e, const Block& blk, const acc_t* centre, ColumnSums& sd) {
+    const int64_t C = e.channels;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
       for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
@@ -139,28 +183,36 @@ struct RowKernels {
         }
       }
     }
-    for (int64_t j = 0; j < nc; ++j)
-      out.at(c0 + j, blk.slot) = math::centred_moments(count, sx.value(j), centre[j], sd.value(j));
   }
 
   // The block's exact sum(dy) and sum(dy * (x - mean)) of each of its
-  // channels; with an epilogue, of dz and of the value it centres.
+  // channels (`span` columns each, as in stats); with an epilogue, of dz and
+  // of the value it centres. Segments (span > 1) take epilogues whose hooks
+  // hold no per-channel data (E::kSegmentChunks).
   template <typename E = PlainEpilogue<T>>
   static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
-                        Partials<math::GradSums<double>>& out, const E& ep = E{}) {
+                        Partials<math::GradSums<double>>& out, const E& ep = E{}, int64_t span = 1) {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    // The block's columns' means: the channels' own, or each segment's
+    // channel mean repeated over its columns.
+    alignas(64) acc_t segment_mean[kColumnBlock];
+    const acc_t* m = mean + c0;
+    if (span > 1) {
+      for (int64_t j = 0; j < nc; j += span) std::fill(segment_mean + j, segment_mean + j + span, mean[(c0 + j) / span]);
+      m = segment_mean;
+    }
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
     const bool one_group = vec_end <= kGroup * K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
       for_chunk_groups(vec_end, one_group, [&](int64_t j, auto group) {
         constexpr int G = decltype(group)::value;
-        Vec run_dy[G][P], run_dy_xc[G][P], m[G][P];
+        Vec run_dy[G][P], run_dy_xc[G][P], mv[G][P];
         for (int g = 0; g < G; ++g)
           for (int q = 0; q < P; ++q) {
             run_dy[g][q] = run_dy_xc[g][q] = Vec(acc_t(0));
-            m[g][q] = Vec::loadu(mean + c0 + j + g * K + q * W);
+            mv[g][q] = Vec::loadu(m + j + g * K + q * W);
           }
         for (int64_t o = r0; o < r1; ++o) {
           for (int g = 0; g < G; ++g) {
@@ -171,7 +223,7 @@ struct RowKernels {
             ep.columns(c0 + j + g * K).apply(off, K, xv, dv);
             for (int q = 0; q < P; ++q) {
               run_dy[g][q] = run_dy[g][q] + dv[q];
-              run_dy_xc[g][q] = at::vec::fmadd(dv[q], xv[q] - m[g][q], run_dy_xc[g][q]);
+              run_dy_xc[g][q] = at::vec::fmadd(dv[q], xv[q] - mv[g][q], run_dy_xc[g][q]);
             }
           }
         }
@@ -187,11 +239,12 @@ struct RowKernels {
           acc_t d = static_cast<acc_t>(dy[off + j]), xa = static_cast<acc_t>(x[off + j]);
           ep.scalar(off + j, c0 + j, xa, d);
           sum_dy.add(j, d);
-          sum_dy_xc.add(j, d * (xa - mean[c0 + j]));
+          sum_dy_xc.add(j, d * (xa - m[j]));
         }
       }
     }
-    for (int64_t j = 0; j < nc; ++j) out.at(c0 + j, blk.slot) = {sum_dy.value(j), sum_dy_xc.value(j)};
+    for (int64_t j = 0; j < nc; j += span)
+      out.at((c0 + j) / span, blk.slot) = {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)};
   }
 
   // One chunk's coefficients (AffineArrays at channel j), as vectors.
@@ -292,22 +345,6 @@ struct RowKernels {
         default: break;
       }
     }
-    // Each chunk's coefficients are loaded once for kAffineRows rows on
-    // wide rows: with three or four coefficient vectors per data vector, L1
-    // loads, not memory, bounded the single-row loop there.
-    constexpr int64_t kAffineRows = 4;
-    int64_t o = blk.o0;
-    auto rows = [&](auto n) {
-      constexpr int64_t R = decltype(n)::value;
-      int64_t j = c0;
-      for (; j + K <= c1; j += K) {
-        const auto bound = ep.columns(j);
-        const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
-        for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
-      }
-      for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
-      o += R;
-    };
     // Narrow rows go one after the other: four rows per chunk jump between
     // lines of four rows, which costs the prefetchers more than the
     // coefficient loads it saves. Narrow means segments of up to 1 KB, or
@@ -319,9 +356,31 @@ struct RowKernels {
     const int64_t segment_bytes = (c1 - c0) * static_cast<int64_t>(sizeof(T));
     const bool sequential = segment_bytes <= kSequentialSegmentBytes ||
                             (c1 - c0 == C && segment_bytes <= kSequentialRowBytes);
+    int64_t o = blk.o0;
     if (!sequential)
-      while (o + kAffineRows <= blk.o1) rows(std::integral_constant<int64_t, kAffineRows>{});
-    while (o < blk.o1) rows(std::integral_constant<int64_t, 1>{});
+      for (; o + kAffineRows <= blk.o1; o += kAffineRows) row_group<kAffineRows>(x, y, out, C, o, c0, c1, c, ep, stream);
+    for (; o < blk.o1; ++o) row_group<1>(x, y, out, C, o, c0, c1, c, ep, stream);
+  }
+
+  // Each chunk's coefficients are loaded once for kAffineRows rows on wide
+  // rows: with three or four coefficient vectors per data vector, L1 loads,
+  // not memory, bounded the single-row loop there.
+  static constexpr int64_t kAffineRows = 4;
+
+  // affine() of channels [c0, c1) of rows [o, o + R), chunk by chunk. A
+  // function of its own, every operand by value: as a lambda capturing them
+  // by reference (not always inlined) it reloaded each of them through the
+  // closure on every chunk.
+  template <int64_t R, typename E>
+  static void row_group(const T* x, const T* y, T* out, int64_t C, int64_t o, int64_t c0, int64_t c1,
+                        math::AffineArrays<acc_t> c, const E& ep, bool stream) {
+    int64_t j = c0;
+    for (; j + K <= c1; j += K) {
+      const auto bound = ep.columns(j);
+      const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
+      for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
+    }
+    for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
   }
 
   // One element of affine(), of channel k, at offset i.
