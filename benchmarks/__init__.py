@@ -3,6 +3,7 @@
 * ``ops.py``: the operator table and plot (``python -m torch_bn_grad.bench``, or
   ``python benchmarks/ops.py`` in a checkout); ``--model`` runs ``models.py``.
 * ``models.py``: a whole ResNet (``resnets.py``) with our BatchNorm against torch's.
+* ``speedup_plot.py``: the speedup plot both tables draw (``--plot``).
 * ``call_overhead.py``: the per-call cost of a tiny BatchNorm2d;
   ``fused_overhead.py``: the same for the fused BatchNormAct2d. Both time with
   ``_per_call.py``.

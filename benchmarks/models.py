@@ -29,6 +29,7 @@ import torch
 
 import torch_bn_grad
 from benchmarks import resnets as _models
+from benchmarks import speedup_plot as _plot
 from torch_bn_grad import _compat, config
 
 MODES = ("train", "eval")
@@ -170,6 +171,22 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
     return results
 
 
+def plot(results: list[ModelResult], path: str) -> None:
+    """Speedup of every variant in every case on a log axis (needs matplotlib):
+    one labelled marker each, colour by variant (ours, fused, opaque), shape
+    by execution, a line at 1.0x, the slower ones in red."""
+    points = []
+    for r in results:
+        case = f"{r.model} {r.mode} {r.layout} {r.execution}"
+        for variant, speedup in (("ours", r.speedup), ("fused", r.fused_speedup), ("opaque", r.opaque_speedup)):
+            if speedup is not None:
+                points.append(_plot.Point(f"{case} {variant}", speedup, variant, r.execution))
+    title = (f"{results[0].model} batch {results[0].batch}, {results[0].resolution}x{results[0].resolution}: "
+             f"torch_bn_grad vs torch {torch.__version__}") if results else "no cases"
+    _plot.plot_speedups(points, path, title, colours={"ours": "tab:blue", "fused": "tab:green", "opaque": "tab:purple"},
+                        markers={"eager": "o", "compile": "s"})
+
+
 def add_arguments(parser) -> None:
     """The ``--model`` options of ``python -m torch_bn_grad.bench``."""
     group = parser.add_argument_group("model benchmark (--model)")
@@ -199,3 +216,5 @@ def main(args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
+    if args.plot:
+        plot(results, args.plot)

@@ -1,11 +1,12 @@
 """Benchmark: torch_bn_grad against torch's native batch norm, side by side.
 
     python -m torch_bn_grad.bench (or, in a checkout, python benchmarks/ops.py) [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
-                                  [--dtypes float32,bfloat16] [--layouts contiguous,channels_last]
+                                  [--dtypes float32,bfloat16,float16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module] [--min-run-time S]
     python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
                                   [--modes train,eval] [--executions eager,compile] [--layouts ...]
                                   [--iters 3] [--rounds 5] [--opaque] [--fuse] [--threads N] [--json FILE]
+                                  [--plot FILE.png]
 
 With ``--model`` it times a whole ResNet (train step and eval, eager and
 compiled) with this library's BatchNorm against torch's, see
@@ -46,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch_bn_grad  # noqa: E402
 from benchmarks import models as _model_bench  # noqa: E402
+from benchmarks import speedup_plot as _plot  # noqa: E402
 from torch_bn_grad import _compat  # noqa: E402
 
 RESNET50_SHAPES = [
@@ -54,7 +56,7 @@ RESNET50_SHAPES = [
 ]
 FULL_SHAPES = RESNET50_SHAPES + [(4096, 1024), (4, 32, 32, 64, 64)]
 QUICK_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (32, 2048, 7, 7), (4096, 1024)]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYOUTS = ("contiguous", "channels_last")
 DIRECTIONS = ("forward", "backward", "module")
 DEVICES = ("cpu", "cuda")
@@ -200,49 +202,11 @@ def plot(results: list[Result], path: str, device: str = "cpu") -> None:
     """Speedup per case on a log axis (needs matplotlib): one labelled marker per
     case, colour by direction, shape by dtype, a line at 1.0x; cases slower
     than native have a red outline and a red label so they stand out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    labels = [f"{'x'.join(map(str, r.shape))} {r.dtype} {r.layout} {r.direction}" for r in results]
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green"}
-    markers = {"float32": "o", "bfloat16": "s", "float16": "D", "float64": "^"}
-    fig, ax = plt.subplots(figsize=(9, max(3.0, 0.24 * len(results) + 1.2)))
-    for i, r in enumerate(results):
-        slow = r.speedup < 1
-        ax.plot(r.speedup, i, linestyle="none", marker=markers.get(r.dtype, "o"), markersize=6,
-                color=colors.get(r.direction, "tab:gray"), markeredgecolor="tab:red" if slow else None,
-                markeredgewidth=2.0 if slow else 1.0)
-        ax.annotate(f"{r.speedup:.2f}x", (r.speedup, i), xytext=(6, 0), textcoords="offset points",
-                    va="center", fontsize=6, color="tab:red" if slow else "black")
-    ax.axvline(1.0, color="black", linewidth=1.0)
-    ax.set_xscale("log")
-    speedups = [r.speedup for r in results] or [1.0]
-    ax.set_xlim(min(min(speedups), 1.0) / 1.3, max(max(speedups), 1.0) * 1.5)
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.grid(axis="x", which="both", alpha=0.3)
-    ax.set_yticks(range(len(results)), labels, fontsize=6)
-    for tick, r in zip(ax.get_yticklabels(), results):
-        if r.speedup < 1:
-            tick.set_color("tab:red")
-    ax.set_ylim(len(results) - 0.5, -0.5)
-    ax.set_xlabel("speedup over torch native (ratio of median times, log scale; left of 1.0x: slower)")
-    ax.set_title(f"torch_bn_grad vs torch {torch.__version__} ({_short_device_name(device)})")
-    handles = [Line2D([], [], linestyle="none", marker="o", color=c, label=d) for d, c in colors.items()
-               if any(r.direction == d for r in results)]
-    handles += [Line2D([], [], linestyle="none", marker=m, color="gray", label=t) for t, m in markers.items()
-                if any(r.dtype == t for r in results)]
-    handles.append(Line2D([], [], linestyle="none", marker="o", color="white", markeredgecolor="tab:red",
-                          markeredgewidth=2.0, label="slower than native (red)"))
-    handles.append(Line2D([], [], color="black", label="1.0x (same as native)"))
-    ax.legend(handles=handles, fontsize=7, loc="lower right", framealpha=0.9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    points = [_plot.Point(f"{'x'.join(map(str, r.shape))} {r.dtype} {r.layout} {r.direction}", r.speedup,
+                          r.direction, r.dtype) for r in results]
+    _plot.plot_speedups(points, path, f"torch_bn_grad vs torch {torch.__version__} ({_short_device_name(device)})",
+                        colours={"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green"},
+                        markers={"float32": "o", "bfloat16": "s", "float16": "D", "float64": "^"})
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -252,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the cases run (default: cpu)")
     parser.add_argument("--full", action="store_true", help="every ResNet-50 shape plus the 1-D and 3-D cases")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")

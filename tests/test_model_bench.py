@@ -55,6 +55,17 @@ def test_op_bench_plot_writes_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_model_bench_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_model_bench.ModelResult("resnet18", "train", "channels_last", "eager", 2, 32, 1.0, 0.8, 1.25,
+                                     fused_ms=1.25, fused_speedup=0.8),
+            _model_bench.ModelResult("resnet18", "eval", "contiguous", "compile", 2, 32, 1.0, 1.0, 1.0,
+                                     opaque_ms=1.1, opaque_speedup=0.91)]
+    path = tmp_path / "models.png"
+    _model_bench.plot(rows, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_entry_without_source_tree_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(entry, "SOURCE_ROOT", tmp_path)
     with pytest.raises(SystemExit) as exit_info:
