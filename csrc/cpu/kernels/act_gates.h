@@ -44,8 +44,8 @@ struct GateBase {
   using Vec = typename IO::Vec;
   static constexpr int P = IO::kParts;
   static constexpr int64_t K = IO::kChunk;
-  // Sign bits are read per line and InputGate binds channels' coefficients:
-  // neither takes a chunk across planes (epilogue.h); OutputGate does.
+  // InputGate binds channels' coefficients: no chunk across planes
+  // (epilogue.h); the other gates say so themselves.
   static constexpr bool kSegmentChunks = false;
 
   static void load(const T* p, int64_t off, int64_t lanes, Vec (&v)[P]) {
@@ -124,9 +124,12 @@ struct SignBitsGate : DzOut<T> {
   BitIndex bit;
   acc_t positive_grad = 1, other_grad = 0;
 
-  void apply(int64_t off, int64_t, Vec (&)[P], Vec (&d)[P]) const {
-    // Bits past a partial chunk's lanes meet zero-filled dy lanes.
-    const uint32_t bits = read_bits(positive, bytes, bit(off), static_cast<int>(K));
+  // Chunks may run across lines (segment reductions): read_element_bits.
+  static constexpr bool kSegmentChunks = true;
+
+  void apply(int64_t off, int64_t lanes, Vec (&)[P], Vec (&d)[P]) const {
+    // A partial chunk's other lanes read as 0 and meet zero-filled dy lanes.
+    const uint32_t bits = read_element_bits(positive, bytes, bit, off, static_cast<int>(lanes));
     for (int q = 0; q < P; ++q)
       d[q] = d[q] * select_bits(bits >> (q * W), Vec(positive_grad), Vec(other_grad));
   }

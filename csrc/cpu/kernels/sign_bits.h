@@ -120,8 +120,11 @@ struct BitIndex {
     inverse = 1.0 / static_cast<double>(line);
     identity = line == padded;
   }
-  int64_t operator()(int64_t i) const {
-    if (identity) return i;
+  // Element i's line q and its place r in it.
+  struct Place {
+    int64_t q, r;
+  };
+  Place place(int64_t i) const {
     int64_t q = static_cast<int64_t>(static_cast<double>(i) * inverse);
     int64_t r = i - q * line;
     if (r < 0) {
@@ -131,11 +134,32 @@ struct BitIndex {
       ++q;
       r -= line;
     }
-    return q * padded + r;
+    return {q, r};
+  }
+  int64_t operator()(int64_t i) const {
+    if (identity) return i;
+    const Place p = place(i);
+    return p.q * padded + p.r;
   }
 };
 
 inline bool read_bit(const uint8_t* packed, int64_t i) { return (packed[i >> 3] >> (i & 7)) & 1u; }
+
+// The n (<= 32) bits of elements [i, i + n) in the padded layout of `bit`,
+// the elements possibly running across lines (a segment reduction's chunks,
+// partition.h): one read per line they touch.
+inline uint32_t read_element_bits(const uint8_t* packed, int64_t bytes, const BitIndex& bit, int64_t i, int n) {
+  if (bit.identity) return read_bits(packed, bytes, i, n);
+  BitIndex::Place p = bit.place(i);
+  if (p.r + n <= bit.line) return read_bits(packed, bytes, p.q * bit.padded + p.r, n);
+  uint32_t bits = 0;
+  for (int got = 0; got < n; ++p.q, p.r = 0) {
+    const int take = static_cast<int>(std::min<int64_t>(n - got, bit.line - p.r));
+    bits |= read_bits(packed, bytes, p.q * bit.padded + p.r, take) << got;
+    got += take;
+  }
+  return bits;
+}
 
 // Sets bit i to `on`. The first bit of a byte clears the others (a line's
 // elements are written in order, so its padding ends up zero); later bits
