@@ -7,13 +7,12 @@ gradgradcheck; opcheck; torch.compile, export; errors; determinism."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torch_bn_grad
+from isa_runs import run_on_every_isa
 from torch_bn_grad.functional import batch_norm_act
 
 ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
@@ -342,20 +341,7 @@ print(json.dumps(out))
 
 def test_every_isa_kernel_agrees():
     """Each compiled ISA copy of the fused kernels (vector and scalar activation paths) gives the same results."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    order = ["default", "avx2", "avx512"]
-    supported = torch.backends.cpu.get_cpu_capability().lower()
-    runs = {}
-    for c in order[: order.index(supported) + 1] if supported in order else ["default"]:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=c)
-        proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,
-                              check=True)
-        runs[c] = json.loads(proc.stdout)
-        assert runs[c]["isa"] == c.upper()
+    runs = run_on_every_isa(_ISA_SCRIPT)
     for run in runs.values():
         for case_a, case_b in zip(runs["default"]["results"], run["results"]):
             for a, b in zip(case_a, case_b):

@@ -5,8 +5,6 @@ CPU kernels."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 import torch_bn_grad
+from isa_runs import run_on_every_isa
 from reference import assert_close, cases, reference_backward, reference_forward
 
 CASES = list(cases())
@@ -244,20 +243,9 @@ print(json.dumps(out))
 """
 
 
-def _run_with_capability(capability: str) -> dict:
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout)
-
-
 def test_every_isa_kernel_agrees():
     """Each compiled ISA copy runs when selected and gives the same results."""
-    order = ["default", "avx2", "avx512"]
-    supported = torch.backends.cpu.get_cpu_capability().lower()
-    capabilities = order[: order.index(supported) + 1] if supported in order else ["default"]
-    runs = {c: _run_with_capability(c) for c in capabilities}
-    for c, run in runs.items():
-        assert run["isa"] == c.upper()
+    runs = run_on_every_isa(_ISA_SCRIPT)
     base = runs["default"]["results"]
     for c, run in runs.items():
         for case_a, case_b in zip(base, run["results"]):

@@ -16,12 +16,7 @@ two threads.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import torch
+from isa_runs import run_on_every_isa
 
 _SCRIPT = r"""
 import json, torch, torch.nn.functional as F, torch_bn_grad
@@ -111,15 +106,7 @@ _PARAMETER_BOUNDS = {"torch.float64": 1e-10, "torch.float32": 1e-4, "torch.float
 
 
 def test_segment_reductions_on_every_isa():
-    order = ["default", "avx2", "avx512"]
-    supported = torch.backends.cpu.get_cpu_capability().lower()
-    capabilities = order[: order.index(supported) + 1] if supported in order else ["default"]
-    for capability in capabilities:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-        proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        run = json.loads(proc.stdout)
-        assert run["isa"] == capability.upper()
+    for capability, run in run_on_every_isa(_SCRIPT).items():
         assert all(run["same_bits"]), (capability, run["same_bits"])
         for case in run["errors"]:
             dtype = case["case"].split()[-4]

@@ -6,16 +6,13 @@ wrote them, and when the autograd formula uses them."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import torch_bn_grad
+from isa_runs import run_on_every_isa
 from torch_bn_grad.functional import batch_norm_act
 
 EPS = 1e-5
@@ -145,14 +142,7 @@ print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "ok": ok}))
 
 
 def test_every_isa_writes_and_reads_the_same_bits():
-    order = ["default", "avx2", "avx512"]
-    supported = torch.backends.cpu.get_cpu_capability().lower()
-    for isa in order[: order.index(supported) + 1] if supported in order else ["default"]:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
-        proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,
-                              check=True)
-        out = json.loads(proc.stdout)
-        assert out["isa"] == isa.upper()
+    for isa, out in run_on_every_isa(_ISA_SCRIPT).items():
         assert all(out["ok"]), (isa, out["ok"])
 
 

@@ -16,12 +16,7 @@ factor of 1 + 1e-4 fails).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import torch
+from isa_runs import run_on_every_isa
 
 _SCRIPT = r"""
 import json, torch, torch.nn.functional as F, torch_bn_grad
@@ -58,15 +53,7 @@ print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "errors": errors}))
 
 
 def test_large_outputs_on_every_isa():
-    order = ["default", "avx2", "avx512"]
-    supported = torch.backends.cpu.get_cpu_capability().lower()
-    capabilities = order[: order.index(supported) + 1] if supported in order else ["default"]
-    for capability in capabilities:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-        proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        run = json.loads(proc.stdout)
-        assert run["isa"] == capability.upper()
+    for capability, run in run_on_every_isa(_SCRIPT).items():
         for case in run["errors"]:
             half = "bfloat16" in case["case"]
             # Relative to |reference| + 1: one rounding of the output (bfloat16's is 2^-8).

@@ -1,0 +1,37 @@
+"""Running a test script once per compiled ISA copy of the CPU kernels.
+
+The kernels are compiled three times (default, AVX2, AVX512) and the copy is
+chosen at import from ``ATEN_CPU_CAPABILITY``, so each copy needs a process
+of its own: the script runs in a subprocess per ISA this CPU supports and
+prints one JSON object, which must name the ISA that ran (``"isa"``, from
+``torch_bn_grad.cpu_kernel_isa()``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+_ORDER = ["default", "avx2", "avx512"]
+
+
+def capabilities() -> list[str]:
+    """The ISA copies this CPU can run, the scalar default first."""
+    supported = torch.backends.cpu.get_cpu_capability().lower()
+    return _ORDER[: _ORDER.index(supported) + 1] if supported in _ORDER else ["default"]
+
+
+def run_on_every_isa(script: str) -> dict[str, dict]:
+    """`script`'s JSON output per ISA, each checked to have run on that ISA."""
+    runs = {}
+    for capability in capabilities():
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, (capability, proc.stderr)
+        run = json.loads(proc.stdout)
+        assert run["isa"] == capability.upper(), (capability, run["isa"])
+        runs[capability] = run
+    return runs
