@@ -40,7 +40,7 @@ def plot_speedups(points: list[Point], path: str, title: str, colours: dict, mar
     ax.set_xscale("log")
     speedups = [p.speedup for p in points] or [1.0]
     ax.set_xlim(min(min(speedups), 1.0) / 1.3, max(max(speedups), 1.0) * 1.5)
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 8.0)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.grid(axis="x", which="both", alpha=0.3)

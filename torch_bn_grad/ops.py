@@ -94,10 +94,13 @@ def batch_norm_act_forward(
     ``negative_slope >= 0``) or ``"silu"``; ``residual`` (optional) has
     ``src``'s shape and dtype. Statistics, layouts and dtypes as
     :func:`batch_norm_forward`, whose ``(dst, mean, variance)`` it returns.
-    ``memory_saving=True`` changes no result: autograd then keeps the output
+    ``memory_saving=True`` changes no output: autograd then keeps the output
     (and residual) instead of ``src`` and recovers ``src`` from it in the
-    backward; it needs an invertible activation (``"identity"``, or
-    ``"leaky_relu"`` with ``negative_slope > 0``) and a ``gamma`` without zeros.
+    backward, so the gradients carry the stored output's rounding (in float32
+    within a few units of the normal mode's; in float16 and bfloat16
+    ``diff_gamma`` is off by up to a few percent, see README); it needs an
+    invertible activation (``"identity"``, or ``"leaky_relu"`` with
+    ``negative_slope > 0``) and a ``gamma`` without zeros.
     """
     op = "batch_norm_act_forward"
     check_data_format(op, data_format)
