@@ -80,22 +80,20 @@ struct RowKernels {
     ColumnSums sx(nc);
     alignas(64) acc_t max_abs[kColumnBlock];
     alignas(64) acc_t centre[kColumnBlock];
+    alignas(64) double sum_x[kColumnBlock];  // per channel (segment) of the block
     std::fill(max_abs, max_abs + nc, acc_t(0));
     sum_max_pass(x, e, blk, sx, max_abs);
-    if (span == 1) {
-      for (int64_t j = 0; j < nc; ++j) centre[j] = exact_centre<acc_t>(sx.value(j) / rows, max_abs[j]);
-    } else {
-      for (int64_t j = 0; j < nc; j += span) {
-        const acc_t c = exact_centre<acc_t>(segment_total(sx, j, span) / (rows * static_cast<double>(span)),
-                                            *std::max_element(max_abs + j, max_abs + j + span));
-        std::fill(centre + j, centre + j + span, c);
-      }
+    const double count = rows * static_cast<double>(span);
+    for (int64_t j = 0; j < nc; j += span) {
+      sum_x[j / span] = segment_total(sx, j, span);
+      const acc_t c = exact_centre<acc_t>(sum_x[j / span] / count, *std::max_element(max_abs + j, max_abs + j + span));
+      std::fill(centre + j, centre + j + span, c);
     }
     ColumnSums sd(nc);
     squares_pass(x, e, blk, centre, sd);
     for (int64_t j = 0; j < nc; j += span)
-      out.at((blk.s0 + j) / span, blk.slot) = math::centred_moments(
-          rows * static_cast<double>(span), segment_total(sx, j, span), centre[j], segment_total(sd, j, span));
+      out.at((blk.s0 + j) / span, blk.slot) =
+          math::centred_moments(count, sum_x[j / span], centre[j], segment_total(sd, j, span));
   }
 
   // Sum of columns [j, j + n) of `s` in float64, in a fixed order: lanes of

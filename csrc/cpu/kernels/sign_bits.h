@@ -151,7 +151,6 @@ inline bool read_bit(const uint8_t* packed, int64_t i) { return (packed[i >> 3] 
 inline uint32_t read_element_bits(const uint8_t* packed, int64_t bytes, const BitIndex& bit, int64_t i, int n) {
   if (bit.identity) return read_bits(packed, bytes, i, n);
   BitIndex::Place p = bit.place(i);
-  if (p.r + n <= bit.line) return read_bits(packed, bytes, p.q * bit.padded + p.r, n);
   uint32_t bits = 0;
   for (int got = 0; got < n; ++p.q, p.r = 0) {
     const int take = static_cast<int>(std::min<int64_t>(n - got, bit.line - p.r));
