@@ -53,14 +53,21 @@ extern "C" PyObject* PyInit__C() {
 
 // Masked outputs of batch_norm_backward come back as empty tensors (the Python
 // wrapper turns them into None), so every return is a plain Tensor.
+//
+// Operators tagged flexible_layout take tensors of any strides, and their
+// outputs follow src's memory format (as their fake implementations say), so
+// that inductor passes the tensors it holds (a convolution output it laid out
+// channels_last, say) instead of copying them into the strides seen at tracing.
 TORCH_LIBRARY(torch_bn_grad, m) {
   m.def(
       "batch_norm_forward(Tensor src, Tensor? gamma, Tensor? beta, Tensor? mean, Tensor? variance, "
-      "float epsilon, str data_format) -> (Tensor dst, Tensor mean, Tensor variance)");
+      "float epsilon, str data_format) -> (Tensor dst, Tensor mean, Tensor variance)",
+      {at::Tag::flexible_layout});
   m.def(
       "batch_norm_backward(Tensor src, Tensor diff_dst, Tensor mean, Tensor variance, Tensor? gamma, "
       "float epsilon, str data_format, bool training, bool[3] output_mask) "
-      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta)");
+      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta)",
+      {at::Tag::flexible_layout});
   // The gradient of batch_norm_forward with respect to (src, gamma, beta, mean,
   // variance), given the gradients reaching its three outputs; undefined (None)
   // where output_mask is false. Made of differentiable operators
@@ -81,7 +88,8 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   m.def(
       "batch_norm_act_forward(Tensor src, Tensor? gamma, Tensor? beta, Tensor? mean, Tensor? variance, "
       "Tensor? residual, float epsilon, str activation, float negative_slope, str data_format, "
-      "bool memory_saving) -> (Tensor dst, Tensor mean, Tensor variance)");
+      "bool memory_saving) -> (Tensor dst, Tensor mean, Tensor variance)",
+      {at::Tag::flexible_layout});
   // The same, also returning dst's sign bits for the backward's relu /
   // leaky_relu gate: dst_positive, uint8 of ceil(numel / 8) bytes, bit i (least
   // significant first) dst[i] > 0 in the CPU kernels' element order; empty
@@ -109,7 +117,8 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "batch_norm_act_backward(Tensor diff_dst, Tensor? src, Tensor? dst, Tensor? residual, Tensor mean, "
       "Tensor variance, Tensor? gamma, Tensor? beta, float epsilon, str activation, float negative_slope, "
       "str data_format, bool training, bool from_output, bool[4] output_mask, Tensor? dst_positive=None) "
-      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_residual)");
+      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_residual)",
+      {at::Tag::flexible_layout});
   // torch BatchNorm's running-statistics update in place, with momentum and
   // the unbiased variance of `count` elements per channel (count 0: no
   // change); one call for eager training steps (csrc/running_stats.cpp).
@@ -126,6 +135,16 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // second moment sum((src - mean)^2); an empty src gives rows of zeros, which
   // combine with other processes' statistics as "no samples" (Chan et al.).
   m.def("batch_norm_local_stats(Tensor src, str data_format) -> Tensor");
+  // batch_norm_stats_affine: the training forward's statistics, mean and biased
+  // variance (batch_norm_forward's, bit for bit), and the per-channel affine map
+  // its normalization applies, dst = (src - mean) * scale + bias, all in the
+  // accumulation dtype; bias carries the mean's rounding. What the torch.compile
+  // lowering calls on CPU: the reduction runs in this library's kernels and
+  // inductor fuses the elementwise pass with its neighbours.
+  m.def(
+      "batch_norm_stats_affine(Tensor src, Tensor? gamma, Tensor? beta, float epsilon, str data_format) "
+      "-> (Tensor mean, Tensor variance, Tensor scale, Tensor bias)",
+      {at::Tag::flexible_layout});
   // batch_norm_grad_sums: rows (sum(diff_dst), sum(diff_dst * (src - mean))) of
   // the local data, about the given (global) mean; zeros for an empty src.
   m.def("batch_norm_grad_sums(Tensor src, Tensor diff_dst, Tensor mean, str data_format) -> Tensor");

@@ -17,7 +17,9 @@ from torch._inductor.utils import run_and_get_code
 import torch_bn_grad
 from torch_bn_grad import _inductor, config
 
-OPS = ("torch.ops.torch_bn_grad.batch_norm_forward", "torch.ops.torch_bn_grad.batch_norm_backward")
+FORWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_forward",)
+BACKWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_backward",)
+OPS = FORWARD_OPS + BACKWARD_OPS
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
        torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -32,9 +34,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _extern_calls(code: list[str]) -> int:
-    """How many calls of this library's operators inductor's generated code makes."""
-    return sum(src.count(f"{op}.default(") for src in code for op in OPS)
+def _extern_calls(code: list[str], ops=OPS) -> int:
+    """How many calls of this library's operators `ops` inductor's generated code makes."""
+    return sum(src.count(f"{op}.default(") for src in code for op in ops)
 
 
 def _model(dtype: torch.dtype, memory_format: torch.memory_format) -> torch.nn.Module:
@@ -88,15 +90,18 @@ def _compare(compiled, model, reference, dtype, memory_format, batches):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_lowered_model_matches_eager(training, layout, dtype):
-    """Inductor fuses the rewritten operators (no extern call is left) and the
-    compiled steps match eager mode: outputs, gradients, running statistics."""
+    """Inductor fuses the rewritten forward operators (no extern call is left;
+    on CPU a training backward stays this library's kernel, one call per batch
+    norm) and the compiled steps match eager mode: outputs, gradients, running
+    statistics."""
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     model = _model(dtype, memory_format).train(training)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, fullgraph=True)
     _, code = run_and_get_code(_compare, compiled, model, reference, dtype, memory_format, [4])
     assert _inductor.is_registered()
-    assert _extern_calls(code) == 0
+    assert _extern_calls(code, FORWARD_OPS) == 0
+    assert _extern_calls(code, BACKWARD_OPS) == (3 if training else 0)
     _compare(compiled, model, reference, dtype, memory_format, [4, 4])
     assert not counters["graph_break"]
 
@@ -107,7 +112,8 @@ def test_lowered_dynamic_batch_does_not_recompile(training):
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     _, code = run_and_get_code(_compare, compiled, model, reference, torch.float32, torch.contiguous_format, [4])
-    assert _extern_calls(code) == 0
+    assert _extern_calls(code, FORWARD_OPS) == 0
+    assert _extern_calls(code, BACKWARD_OPS) == (3 if training else 0)
     with torch.compiler.set_stance("fail_on_recompile"):
         _compare(compiled, model, reference, torch.float32, torch.contiguous_format, [3, 5, 9])
     assert not counters["graph_break"]
@@ -144,6 +150,32 @@ def test_eager_and_export_keep_the_operators():
     targets = [n.target for n in program.graph.nodes]
     assert targets.count(torch.ops.torch_bn_grad.batch_norm_forward.default) == 3
     torch.testing.assert_close(program.module()(x), model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_lowered_training_forward_takes_this_librarys_statistics(layout, dtype):
+    """On CPU the lowered training forward reduces with batch_norm_stats_affine:
+    its mean and variance are eager mode's, bit for bit (so the running
+    statistics are too), whatever layout inductor gives the convolution output."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 6, 7, 5, generator=g) * 4 + 50).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    gamma, beta = (torch.rand(6, generator=g) + 0.5).to(param), torch.randn(6, generator=g).to(param)
+
+    def fn(x, gamma, beta):
+        return torch_bn_grad.batch_norm_forward(torch.relu(x), gamma, beta, epsilon=1e-3)
+
+    got, code = run_and_get_code(torch.compile(fn, fullgraph=True), x, gamma, beta)
+    expected = fn(x, gamma, beta)
+    assert sum(src.count("torch.ops.torch_bn_grad.batch_norm_stats_affine.default(") for src in code) == 1
+    assert _extern_calls(code) == 0
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+    assert got[0].stride() == expected[0].stride()
+    torch.testing.assert_close(got[0], expected[0], **TOL[dtype])
+    assert not counters["graph_break"]
 
 
 # (shape, data_format, statistics' shape as a function of the shape)
@@ -206,9 +238,11 @@ def test_lowered_operators_match_eager(form, dtype, layout):
     got, code = run_and_get_code(compiled, *args)
     expected = fn(*args)
     if form == "broadcast-rank1" or layout != "strided" or x.is_contiguous():
-        assert _extern_calls(code) == 0
+        assert _extern_calls(code, FORWARD_OPS) == 0
+        # The two training backwards stay this library's kernels on CPU; the frozen one is rewritten.
+        assert _extern_calls(code, BACKWARD_OPS) == 2
     else:
-        assert _extern_calls(code) > 0  # kept opaque
+        assert _extern_calls(code, FORWARD_OPS) > 0  # kept opaque
     tol = TOL[dtype]
     for i, (a, b) in enumerate(zip(got, expected)):
         assert a.dtype == b.dtype and a.shape == b.shape, i

@@ -31,6 +31,15 @@ def _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_for
     return torch.empty_like(src), src.new_empty(shape, dtype=dtype), src.new_empty(shape, dtype=dtype)
 
 
+@torch.library.register_fake("torch_bn_grad::batch_norm_stats_affine")
+def _batch_norm_stats_affine_fake(src, gamma, beta, epsilon, data_format):
+    check_same_device("batch_norm_stats_affine", src, gamma=gamma, beta=beta)
+    ref = gamma if gamma is not None else beta
+    shape = _channels.stats_shape(src, ref, data_format)
+    dtype = _channels.accumulation_dtype(src)
+    return tuple(src.new_empty(shape, dtype=dtype) for _ in range(4))
+
+
 @torch.library.register_fake("torch_bn_grad::batch_norm_backward")
 def _batch_norm_backward_fake(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     check_same_device("batch_norm_backward", src, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)

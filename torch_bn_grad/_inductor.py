@@ -106,11 +106,22 @@ def _forward(src, gamma, beta, mean, variance, epsilon, data_format):
     return dst.to(src.dtype).contiguous(memory_format=_layout(src)), mean_out, var_out
 
 
+def reduces_in_kernel(src: Tensor, training: bool) -> bool:
+    """Whether a training backward stays this library's operator: on CPU its two
+    reductions and elementwise pass beat inductor's (ResNet-50 train step about 4%
+    faster than with the rewrite), and it keeps eager mode's numerics. The operator
+    takes any strides (tagged flexible_layout), so inductor passes its tensors as
+    they are. A backward with frozen statistics is elementwise only: it is rewritten."""
+    return training and src.device.type == "cpu"
+
+
 def _normalized(src, gamma, beta, mean, variance, epsilon, data_format, form):
     """batch_norm_forward's (dst, mean, variance), dst in the accumulation dtype (not yet rounded)."""
     dims, shape = form
     acc = _acc_dtype(src)
     x = src.to(acc)
+    if mean is None and src.device.type == "cpu":
+        return _normalized_by_kernel_stats(src, x, gamma, beta, epsilon, data_format, acc)
     if mean is None:
         # What torch's BatchNorm decomposes to; inductor makes it one Welford reduction.
         var_b, mean_b = torch.var_mean(x, dim=dims, correction=0, keepdim=True)
@@ -128,10 +139,20 @@ def _normalized(src, gamma, beta, mean, variance, epsilon, data_format, form):
     return dst, mean_out, var_out
 
 
+def _normalized_by_kernel_stats(src, x, gamma, beta, epsilon, data_format, acc):
+    """The batch statistics and the normalization's coefficients from this library's
+    kernels (an extern call), the elementwise pass as ATen arithmetic that inductor fuses."""
+    op = torch.ops.torch_bn_grad.batch_norm_stats_affine.default
+    _opaque(op)
+    mean, var, scale, bias = op(src, gamma, beta, epsilon, data_format)
+    dst = (x - _bc(mean, src, data_format, acc)) * _bc(scale, src, data_format, acc) + _bc(bias, src, data_format, acc)
+    return dst, mean, var
+
 def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     """batch_norm_backward as ATen operations, or NotImplemented to keep the operator."""
     op = torch.ops.torch_bn_grad.batch_norm_backward.default
-    if not config.compile_lowering or diff_dst.dtype != src.dtype or _layout(diff_dst) is None:
+    if (not config.compile_lowering or reduces_in_kernel(src, training) or diff_dst.dtype != src.dtype
+            or _layout(diff_dst) is None):
         return _opaque(op)
     form = _form(src, mean, data_format)
     if form is None:

@@ -45,7 +45,7 @@ def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, eps
                   data_format, training, from_output, output_mask, dst_positive=None):
     op = torch.ops.torch_bn_grad.batch_norm_act_backward.default
     if (not config.compile_lowering or from_output or src is None or diff_dst.dtype != src.dtype
-            or dst_positive is not None):
+            or dst_positive is not None or _inductor.reduces_in_kernel(src, training)):
         return _inductor._opaque(op)
     form = _inductor._form(src, mean, data_format)
     if form is None or _inductor._layout(diff_dst) is None:

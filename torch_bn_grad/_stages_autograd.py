@@ -1,4 +1,5 @@
-"""Autograd for the split-stage operators (:mod:`torch_bn_grad.stages`).
+"""Autograd for the split-stage operators (:mod:`torch_bn_grad.stages`) and
+``batch_norm_stats_affine`` (the statistics stage of the torch.compile lowering).
 
 Each stage is a closed-form function of its inputs; its backward recomputes
 that function with differentiable torch operations in float64 (the stages'
@@ -59,14 +60,32 @@ def _grad_input(
     return out.to(src.dtype)
 
 
-def _register(op: OpOverload, reference: Callable[..., Tensor]) -> None:
+def _stats_affine(
+    src: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], epsilon: float, data_format: str,
+) -> tuple[Tensor, ...]:
+    # In exact arithmetic the operator's bias, beta - scale * (mean - rounded mean), is beta.
+    shape = _channels.stats_shape(src, gamma if gamma is not None else beta, data_format)
+    stats = src.new_empty(shape)
+    dims = _channels.reduced_dims(src, stats, data_format)
+    x = src.to(torch.float64)
+    mean = x.mean(dims, keepdim=True) if dims else x
+    var = (x - mean).square().mean(dims, keepdim=True) if dims else torch.zeros_like(x)
+    scale = (var + epsilon).rsqrt().reshape(shape)
+    if gamma is not None:
+        scale = scale * gamma.to(torch.float64)
+    bias = beta.to(torch.float64) if beta is not None else torch.zeros_like(scale)
+    acc = _channels.accumulation_dtype(src)
+    return tuple(t.reshape(shape).to(acc) for t in (mean, var, scale, bias))
+
+
+def _register(op: OpOverload, reference: Callable[..., Any]) -> None:
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.num_inputs = len(inputs)
         ctx.tensor_positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
         ctx.constants = {i: a for i, a in enumerate(inputs) if not isinstance(a, Tensor)}
         ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_positions))
 
-    def backward(ctx: Any, grad_output: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
         result: list[Optional[Tensor]] = [None] * ctx.num_inputs
         create_graph = torch.is_grad_enabled()
         args: list[Any] = [ctx.constants.get(i) for i in range(ctx.num_inputs)]
@@ -77,12 +96,14 @@ def _register(op: OpOverload, reference: Callable[..., Tensor]) -> None:
                     t = t.detach().requires_grad_()
                 wanted.append((i, t))
             args[i] = t
-        if grad_output is None or not wanted:
-            return tuple(result)
         with torch.enable_grad():
-            output = reference(*args)
-            grads = torch.autograd.grad(output, [t for _, t in wanted], grad_output, allow_unused=True,
-                                        create_graph=create_graph)
+            outputs = reference(*args) if wanted and any(g is not None for g in grad_outputs) else ()
+            outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
+            if not pairs:
+                return tuple(result)
+            grads = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wanted], [g for _, g in pairs],
+                                        allow_unused=True, create_graph=create_graph)
         for (i, t), g in zip(wanted, grads):
             result[i] = torch.zeros_like(t) if g is None else g
         return tuple(result)
@@ -93,3 +114,4 @@ def _register(op: OpOverload, reference: Callable[..., Tensor]) -> None:
 _register(torch.ops.torch_bn_grad.batch_norm_local_stats.default, _local_stats)
 _register(torch.ops.torch_bn_grad.batch_norm_grad_sums.default, _grad_sums)
 _register(torch.ops.torch_bn_grad.batch_norm_grad_input.default, _grad_input)
+_register(torch.ops.torch_bn_grad.batch_norm_stats_affine.default, _stats_affine)

@@ -1,14 +1,18 @@
 // CPU implementations of the split-stage operators (see ops.cpp): the
-// per-process pieces of a batch norm whose statistics span several processes.
+// per-process pieces of a batch norm whose statistics span several processes,
+// and the statistics stage of the torch.compile lowering.
 // They run the same kernels as the fused operators; per-channel values are
 // float64 in logical channel order, which for 1-D statistics is also the
 // kernels' channel order.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <limits>
+#include <tuple>
 #include <vector>
 
 #include "batch_norm_args.h"
+#include "batch_norm_math.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
 
@@ -26,6 +30,45 @@ at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view da
     stats[0].fill_(static_cast<double>(count));
   }
   return stats;
+}
+
+// The per-channel vectors are computed in float64 and rounded once to the
+// accumulation type A, exactly as the forward kernel's coefficients are.
+template <typename A>
+void stats_affine_channels(const ChannelPlan& plan, const double* gamma, const double* beta, double epsilon,
+                           double* mean, double* var, double* scale, double* bias) {
+  const double count = static_cast<double>(plan.reduced_count());
+  for (int64_t k = 0; k < plan.channels; ++k) {
+    var[k] = math::variance_of(math::Moments<double, double>{count, mean[k], var[k]});
+    const math::ChannelAffine<A> c =
+        math::channel_affine<A>(mean[k], math::forward_coefficients(var[k], gamma[k], beta[k], epsilon));
+    scale[k] = static_cast<double>(c.x_scale);
+    bias[k] = static_cast<double>(c.bias);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affine_cpu(
+    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+    double epsilon, c10::string_view data_format) {
+  const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
+  const int64_t C = plan.channels;
+  // Per-channel float64 vectors: gamma, beta, mean, variance (m2 until finished), scale, bias.
+  std::vector<double> host(6 * C, std::numeric_limits<double>::quiet_NaN());
+  double *gamma_d = host.data(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C,
+         *scale_d = var_d + C, *bias_d = scale_d + C;
+  load_kernel_channels(gamma, plan, 1, src, gamma_d);
+  load_kernel_channels(beta, plan, 0, src, beta_d);
+  const auto stats_dtype = accumulate_type(src.scalar_type());
+  if (plan.reduced_count() > 0 && C > 0) {
+    kernel_table().batch_moments(to_kernel_layout(src, plan), plan.extent(), mean_d, var_d);
+    if (stats_dtype == at::kDouble) {
+      stats_affine_channels<double>(plan, gamma_d, beta_d, epsilon, mean_d, var_d, scale_d, bias_d);
+    } else {
+      stats_affine_channels<float>(plan, gamma_d, beta_d, epsilon, mean_d, var_d, scale_d, bias_d);
+    }
+  }
+  const auto result = [&](const double* v) { return kernel_channels_result(v, plan, stats_dtype, src); };
+  return {result(mean_d), result(var_d), result(scale_d), result(bias_d)};
 }
 
 at::Tensor batch_norm_grad_sums_cpu(const at::Tensor& src, const at::Tensor& diff_dst,
@@ -68,6 +111,7 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
   m.impl("batch_norm_local_stats", &batch_norm_local_stats_cpu);
+  m.impl("batch_norm_stats_affine", &batch_norm_stats_affine_cpu);
   m.impl("batch_norm_grad_sums", &batch_norm_grad_sums_cpu);
   m.impl("batch_norm_grad_input", &batch_norm_grad_input_cpu);
 }
