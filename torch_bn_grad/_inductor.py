@@ -4,13 +4,19 @@ Inductor cannot see into ``torch_bn_grad::batch_norm_forward`` and
 ``batch_norm_backward``: each stays an extern call between fused kernels, and
 its data makes extra trips through memory. Under inductor (and only there:
 eager mode, ``torch.export`` and other backends keep the operators) this
-module rewrites them into the ATen operations torch's own BatchNorm
-decomposes to — ``var_mean``, per-channel sums and pointwise arithmetic in
-float32 (float64 for float64 data) — which inductor fuses with the
-convolutions' epilogues, activations, residual additions and the loss's
-reductions. The autograd formulas are untouched: the rewrite happens below
-autograd, when AOTAutograd traces the forward and backward graphs, so
-gradients of every order still follow ``torch_bn_grad.ops``.
+module rewrites them into ATen operations — per-channel statistics and sums
+and pointwise arithmetic in float32 (float64 for float64 data) — which
+inductor fuses with the convolutions' epilogues, activations, residual
+additions and the loss's reductions. The autograd formulas are untouched: the
+rewrite happens below autograd, when AOTAutograd traces the forward and
+backward graphs, so gradients of every order still follow ``torch_bn_grad.ops``.
+
+On CPU the reductions stay this library's: the training forward takes its
+statistics and the normalization's coefficients from
+``batch_norm_stats_affine`` (an extern call; inductor's Welford reduction is
+2x-4x slower) and inductor fuses only the elementwise pass, and a training
+backward keeps the operator (``reduces_in_kernel``). On CUDA everything is
+rewritten, as torch's BatchNorm is (``var_mean`` and sums).
 
 Where a rewrite would not reproduce the operator (a layout that the rewritten
 output would not keep, an unusual dtype), the operator stays as it is.
