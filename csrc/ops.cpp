@@ -140,8 +140,8 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // its normalization applies, dst = (src - mean) * scale + bias, all in the
   // accumulation dtype; bias carries the mean's rounding. What the torch.compile
   // lowering calls on CPU: the reduction runs in this library's kernels and
-  // inductor fuses the elementwise pass with its neighbours. CPU only (on CUDA
-  // the lowering leaves the reduction to inductor).
+  // inductor fuses the elementwise pass with its neighbours (on CUDA the
+  // lowering leaves the reduction to inductor).
   m.def(
       "batch_norm_stats_affine(Tensor src, Tensor? gamma, Tensor? beta, float epsilon, str data_format) "
       "-> (Tensor mean, Tensor variance, Tensor scale, Tensor bias)",

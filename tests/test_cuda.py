@@ -232,6 +232,30 @@ def test_operators_run_on_the_current_stream():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_stats_affine_matches_cpu_and_the_forward(dtype, layout):
+    """The compile lowering's statistics stage on CUDA: the CUDA forward's statistics
+    (up to rounding: the forward may take its one-pass persistent kernel) and the CPU
+    operator's values."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 5, 7, 9, generator=g) * 2 + 10).to(dtype)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    gamma, beta = (torch.rand(5, generator=g) + 0.5).to(param), torch.randn(5, generator=g).to(param)
+    op = torch.ops.torch_bn_grad.batch_norm_stats_affine.default
+    cpu = op(x, gamma, beta, 1e-5, "NCX")
+    xd, gd, bd = x.cuda(), gamma.cuda(), beta.cuda()
+    cuda = [t.cpu() for t in op(xd, gd, bd, 1e-5, "NCX")]
+    _, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(xd, gd, bd, None, None, 1e-5, "NCX")
+    tol = torch.float64 if dtype == torch.float64 else torch.float32
+    assert_close(cuda[0], mean.cpu(), tol)
+    assert_close(cuda[1], var.cpu(), tol, scale=4)
+    for got, want in zip(cuda, cpu):
+        assert_close(got, want, tol, scale=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_split_stages_match_cpu(dtype, layout):
     """The split-stage operators (SyncBatchNorm's) on CUDA against ours on the CPU."""
     g = torch.Generator().manual_seed(6)

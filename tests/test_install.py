@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 import cuda_build  # noqa: E402
 
 OPS = ["batch_norm_forward", "batch_norm_backward", "batch_norm_local_stats", "batch_norm_grad_sums",
-       "batch_norm_grad_input"]
+       "batch_norm_grad_input", "batch_norm_stats_affine"]
 
 
 def _toolkit() -> tuple[str, str, str] | None:

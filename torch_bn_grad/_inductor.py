@@ -114,7 +114,7 @@ def _forward(src, gamma, beta, mean, variance, epsilon, data_format):
 
 def reduces_in_kernel(src: Tensor, training: bool) -> bool:
     """Whether a training backward stays this library's operator: on CPU its two
-    reductions and elementwise pass beat inductor's (ResNet-50 train step about 4%
+    reductions and elementwise pass beat inductor's (ResNet-50 train step 3-6%
     faster than with the rewrite), and it keeps eager mode's numerics. The operator
     takes any strides (tagged flexible_layout), so inductor passes its tensors as
     they are. A backward with frozen statistics is elementwise only: it is rewritten."""
@@ -122,7 +122,8 @@ def reduces_in_kernel(src: Tensor, training: bool) -> bool:
 
 
 def _normalized(src, gamma, beta, mean, variance, epsilon, data_format, form):
-    """batch_norm_forward's (dst, mean, variance), dst in the accumulation dtype (not yet rounded)."""
+    """batch_norm_forward's (dst, mean, variance), dst in the accumulation dtype (not yet
+    rounded); batch statistics on CPU come from this library's kernel."""
     dims, shape = form
     acc = _acc_dtype(src)
     x = src.to(acc)
@@ -153,6 +154,7 @@ def _normalized_by_kernel_stats(src, x, gamma, beta, epsilon, data_format, acc):
     mean, var, scale, bias = op(src, gamma, beta, epsilon, data_format)
     dst = (x - _bc(mean, src, data_format, acc)) * _bc(scale, src, data_format, acc) + _bc(bias, src, data_format, acc)
     return dst, mean, var
+
 
 def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     """batch_norm_backward as ATen operations, or NotImplemented to keep the operator."""

@@ -1,4 +1,5 @@
-// CUDA implementations of the split-stage operators (see ops.cpp), like
+// CUDA implementations of the split-stage operators and of the compile
+// lowering's statistics stage (see ops.cpp), like
 // csrc/cpu/batch_norm_stages_cpu.cpp: the same partial reductions and
 // elementwise pass as the fused operators, with the per-channel rows written
 // as float64 and the coefficients derived on the device from tensors (no host
@@ -11,6 +12,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <limits>
+#include <tuple>
 
 #include "batch_norm_args.h"
 #include "batch_norm_math.h"
@@ -36,6 +39,45 @@ at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view d
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return rows;
+}
+
+// batch_norm_forward's statistics and coefficients without its elementwise
+// pass: the same partials and forward_coefficients_kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affine_cuda(
+    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+    double epsilon, c10::string_view data_format) {
+  const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const auto acc = accumulate_type(src.scalar_type());
+  const Extent e = plan.extent();
+  at::Tensor mean_k = channel_vector(plan, src, acc), var_k = channel_vector(plan, src, acc),
+             x_scale = channel_vector(plan, src, acc), bias = channel_vector(plan, src, acc);
+  if (src.numel() == 0) {
+    // An empty batch: NaN, as a mean over nothing.
+    for (at::Tensor* t : {&mean_k, &var_k, &x_scale, &bias}) t->fill_(std::numeric_limits<double>::quiet_NaN());
+  } else {
+    const at::Tensor x = to_kernel_layout(src, plan);
+    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+    const at::Tensor beta_d = optional_channels(beta, plan, src);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_stats_affine_cuda", [&] {
+      using A = Acc<scalar_t>;
+      const Partials<Moments<double>> partials = moment_partials<scalar_t>(x, e);
+      ForwardCoefficientArgs<A> args{};
+      args.partials = partials.data;
+      args.per_channel = partials.per_channel;
+      args.gamma = optional_data(gamma_d);
+      args.beta = optional_data(beta_d);
+      args.epsilon = epsilon;
+      args.channels = e.channels;
+      args.variance_out = var_k.mutable_data_ptr<A>();
+      args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
+                     bias.mutable_data_ptr<A>()};
+      forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  const auto result = [&](const at::Tensor& v) { return from_kernel_channels(v, plan, acc, src); };
+  return {result(mean_k), result(var_k), result(x_scale), result(bias)};
 }
 
 at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
@@ -105,6 +147,7 @@ at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& d
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
   m.impl("batch_norm_local_stats", &batch_norm_local_stats_cuda);
+  m.impl("batch_norm_stats_affine", &batch_norm_stats_affine_cuda);
   m.impl("batch_norm_grad_sums", &batch_norm_grad_sums_cuda);
   m.impl("batch_norm_grad_input", &batch_norm_grad_input_cuda);
 }
