@@ -176,6 +176,20 @@ def cases(dtypes=DTYPES) -> Iterator[Case]:
             yield Case(shape, dtype, fmt, layout)
 
 
+def normalization_inputs(shape: Sequence[int], dtype: torch.dtype, layout: str, seed: int, scale: float = 1.0,
+                         offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, gamma, beta) for a 4-D NCX case: x = randn * scale + offset in `dtype` and
+    `layout` ("contiguous" or "channels_last"), gamma and beta of the parameter dtype."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=g) * scale + offset).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    channels = shape[1]
+    gamma = (torch.rand(channels, generator=g) + 0.5).to(stats_dtype(dtype))
+    beta = torch.randn(channels, generator=g).to(stats_dtype(dtype))
+    return x, gamma, beta
+
+
 def assert_close(actual: Optional[Tensor], expected: Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
     """Compare against the float64 reference with `dtype`'s tolerance, scaled."""
     assert actual is not None

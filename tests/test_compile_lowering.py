@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import torch_bn_grad
+from reference import normalization_inputs
 from torch_bn_grad import _inductor, config
 
 FORWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_forward",)
@@ -158,12 +159,7 @@ def test_lowered_training_forward_takes_this_librarys_statistics(layout, dtype):
     """On CPU the lowered training forward reduces with batch_norm_stats_affine:
     its mean and variance are eager mode's, bit for bit (so the running
     statistics are too), whatever layout inductor gives the convolution output."""
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(8, 6, 7, 5, generator=g) * 4 + 50).to(dtype)
-    if layout == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last)
-    param = torch.float64 if dtype == torch.float64 else torch.float32
-    gamma, beta = (torch.rand(6, generator=g) + 0.5).to(param), torch.randn(6, generator=g).to(param)
+    x, gamma, beta = normalization_inputs((8, 6, 7, 5), dtype, layout, seed=3, scale=4, offset=50)
 
     def fn(x, gamma, beta):
         return torch_bn_grad.batch_norm_forward(torch.relu(x), gamma, beta, epsilon=1e-3)

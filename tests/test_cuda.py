@@ -18,7 +18,8 @@ from torch import Tensor
 
 import torch_bn_grad
 from torch_bn_grad import stages
-from reference import DTYPES, HALF_TYPES, Case, assert_close, cases, reference_backward, reference_forward
+from reference import (DTYPES, HALF_TYPES, Case, assert_close, cases, normalization_inputs, reference_backward,
+                       reference_forward)
 
 EPS = 1e-5
 CASES = list(cases())
@@ -236,12 +237,7 @@ def test_stats_affine_matches_cpu_and_the_forward(dtype, layout):
     """The compile lowering's statistics stage on CUDA: the CUDA forward's statistics
     (up to rounding: the forward may take its one-pass persistent kernel) and the CPU
     operator's values."""
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(6, 5, 7, 9, generator=g) * 2 + 10).to(dtype)
-    if layout == "channels_last":
-        x = x.to(memory_format=torch.channels_last)
-    param = torch.float64 if dtype == torch.float64 else torch.float32
-    gamma, beta = (torch.rand(5, generator=g) + 0.5).to(param), torch.randn(5, generator=g).to(param)
+    x, gamma, beta = normalization_inputs((6, 5, 7, 9), dtype, layout, seed=7, scale=2, offset=10)
     op = torch.ops.torch_bn_grad.batch_norm_stats_affine.default
     cpu = op(x, gamma, beta, 1e-5, "NCX")
     xd, gd, bd = x.cuda(), gamma.cuda(), beta.cuda()

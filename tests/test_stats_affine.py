@@ -11,7 +11,7 @@ import torch
 
 import torch_bn_grad  # noqa: F401  (loads the operators)
 
-from reference import assert_close, cases, reference_forward
+from reference import assert_close, cases, normalization_inputs, reference_forward
 
 OP = torch.ops.torch_bn_grad.batch_norm_stats_affine.default
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward.default
@@ -84,12 +84,7 @@ def test_bad_arguments_raise_naming_them_and_write_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_opcheck(dtype, layout):
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 3, 5, 6, generator=g).to(dtype)
-    if layout == "channels_last":
-        x = x.to(memory_format=torch.channels_last)
-    param = torch.float64 if dtype == torch.float64 else torch.float32
-    gamma, beta = (torch.rand(3, generator=g) + 0.5).to(param), torch.randn(3, generator=g).to(param)
+    x, gamma, beta = normalization_inputs((4, 3, 5, 6), dtype, layout, seed=5)
     torch.library.opcheck(OP, (x, gamma, beta, 1e-5, "NCX"))
     torch.library.opcheck(OP, (x, None, None, 1e-5, "NCX"))
 
