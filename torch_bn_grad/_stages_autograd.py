@@ -96,13 +96,13 @@ def _register(op: OpOverload, reference: Callable[..., Any]) -> None:
                     t = t.detach().requires_grad_()
                 wanted.append((i, t))
             args[i] = t
+        live = [(k, g) for k, g in enumerate(grad_outputs) if g is not None]
+        if not wanted or not live:
+            return tuple(result)
         with torch.enable_grad():
-            outputs = reference(*args) if wanted and any(g is not None for g in grad_outputs) else ()
+            outputs = reference(*args)
             outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
-            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
-            if not pairs:
-                return tuple(result)
-            grads = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wanted], [g for _, g in pairs],
+            grads = torch.autograd.grad([outputs[k] for k, _ in live], [t for _, t in wanted], [g for _, g in live],
                                         allow_unused=True, create_graph=create_graph)
         for (i, t), g in zip(wanted, grads):
             result[i] = torch.zeros_like(t) if g is None else g
