@@ -14,7 +14,8 @@
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/partition.h"
 #include "cpu/kernels/plane_kernels.h"
-#include "cpu/kernels/row_kernels.h"
+#include "cpu/kernels/row_affine.h"
+#include "cpu/kernels/row_reductions.h"
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
@@ -42,14 +43,14 @@ Reduction reduction_for(const Blocks& b, const Extent& e) {
 template <typename T>
 void stats_block(const Reduction& r, const T* x, const Block& blk, Partials<Moments>& out) {
   if (r.blocks.planes) PlaneKernels<T>::stats(x, r.extent, blk, out);
-  else RowKernels<T>::stats(x, r.extent, blk, out, r.blocks.span);
+  else RowReductions<T>::stats(x, r.extent, blk, out, r.blocks.span);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
 void grad_sums_block(const Reduction& r, const T* x, const T* dy, const Block& blk, const at::opmath_type<T>* mean,
                      Partials<GradSums>& out, const E& ep = E{}) {
   if (r.blocks.planes) PlaneKernels<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep);
-  else RowKernels<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep, r.blocks.span);
+  else RowReductions<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep, r.blocks.span);
 }
 
 // Runs f on every block of reduction `r` in parallel (for_each_block).
@@ -62,7 +63,7 @@ template <typename T, typename E = PlainEpilogue<T>>
 void affine_block(const Blocks& b, const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                   const math::AffineArrays<at::opmath_type<T>>& c, const E& ep = E{}) {
   if (b.planes) PlaneKernels<T>::affine(x, y, out, e, blk, c, ep);
-  else RowKernels<T>::affine(x, y, out, e, blk, c, ep);
+  else RowAffine<T>::affine(x, y, out, e, blk, c, ep);
 }
 
 // affine_block over the whole array, for an elementwise pass that follows no
@@ -75,7 +76,7 @@ void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e
     // Whole rows per thread: column blocks would cut each row into segments
     // of a page or less, where the hardware prefetchers stop.
     at::parallel_for(0, e.outer, grain_for(e, e.outer), [&](int64_t o0, int64_t o1) {
-      RowKernels<T>::affine(x, y, out, e, Block{o0, o1, 0, e.channels, 0, 0}, c, ep);
+      RowAffine<T>::affine(x, y, out, e, Block{o0, o1, 0, e.channels, 0, 0}, c, ep);
     });
     return;
   }

@@ -1,14 +1,12 @@
-// The row kernels: blocks of rows over up to kColumnBlock channels when
-// channels are innermost (inner == 1, partition.h). A block is walked row by
-// row (contiguous memory) with vector lanes running across channels, and each
-// channel's compensated sums (exact_sum.h) kept in L1.
+// The row kernels' reductions: a block's per-channel statistics and
+// gradient sums when channels are innermost (inner == 1, partition.h), or
+// over the segment rows of short planes. Vector lanes run across channels,
+// and each channel's compensated sums (exact_sum.h) are kept in L1.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-
-#include <c10/macros/Macros.h>
 
 #include "batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
@@ -21,7 +19,7 @@ namespace CPU_CAPABILITY {
 namespace {  // internal linkage: see vec_io.h
 
 template <typename T>
-struct RowKernels {
+struct RowReductions {
   using IO = Io<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
@@ -190,8 +188,7 @@ struct RowKernels {
   template <typename E = PlainEpilogue<T>>
   static void grad_sums(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* mean,
                         Partials<math::GradSums<double>>& out, const E& ep = E{}, int64_t span = 1) {
-    const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
     // The block's columns' means: the channels' own, or each segment's
     // channel mean repeated over its columns.
     alignas(64) acc_t segment_mean[kColumnBlock];
@@ -201,6 +198,35 @@ struct RowKernels {
       m = segment_mean;
     }
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
+    if (grad_sums_walk_rows(e, blk)) grad_sums_by_rows(x, dy, e, blk, m, sum_dy, sum_dy_xc, ep);
+    else grad_sums_by_chunks(x, dy, e, blk, m, sum_dy, sum_dy_xc, ep);
+    for (int64_t j = 0; j < nc; j += span)
+      out.at((c0 + j) / span, blk.slot) = {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)};
+  }
+
+  // Whether the grad sums walk the block row by row (grad_sums_by_rows): its
+  // rows are whole rows of 512 bytes or more. By chunks, a run reads one
+  // 64-byte line of each of 8 rows of two tensors, 16 streams that starved
+  // the loads (half of the grad sums' samples on the load of 4096x1024
+  // float32). Measured here (2 threads, A/B in one process, bitwise equal):
+  // backward 0.86x the time on 4096x1024 float32 and float16, 0.89x-0.94x
+  // on channels_last 128-1024 channels; fused BN+ReLU+add fwd+bwd 0.82x-0.93x
+  // at 256-1024 channels. Rows cut into column blocks (2048 channels, 4 KB
+  // pieces of 8 KB rows) lost (1.07x), and so did rows of 64 bfloat16 (1.05x).
+  static bool grad_sums_walk_rows(const Extent& e, const Block& blk) {
+    constexpr int64_t kMinRowBytes = 512;
+    return blk.s0 == 0 && blk.s1 == e.channels && e.channels * static_cast<int64_t>(sizeof(T)) >= kMinRowBytes &&
+           e.channels - e.channels % K > kGroup * K;
+  }
+
+  // The grad sums by chunks: for each run of kRowRun rows, chunk by chunk
+  // (or a group of chunks, on rows of one group), the run's rows of the chunk
+  // summed in registers.
+  template <typename E>
+  static void grad_sums_by_chunks(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* m,
+                                  ColumnSums& sum_dy, ColumnSums& sum_dy_xc, const E& ep) {
+    const int64_t C = e.channels;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     const bool one_group = vec_end <= kGroup * K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
@@ -231,168 +257,61 @@ struct RowKernels {
             sum_dy_xc.add(j + g * K + q * W, run_dy_xc[g][q]);
           }
       });
+      grad_sums_tail(x, dy, e, blk, m, r0, r1, sum_dy, sum_dy_xc, ep);
+    }
+  }
+
+  // The grad sums by rows: each row of a run read whole, in memory order (two
+  // sequential streams), its chunks added into the run's sums held in L1.
+  // Each column's terms meet in the same order as by chunks: bitwise equal.
+  template <typename E>
+  static void grad_sums_by_rows(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* m,
+                                ColumnSums& sum_dy, ColumnSums& sum_dy_xc, const E& ep) {
+    const int64_t C = e.channels;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    alignas(64) acc_t run_dy[kColumnBlock];
+    alignas(64) acc_t run_dy_xc[kColumnBlock];
+    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
+      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
       for (int64_t o = r0; o < r1; ++o) {
-        const int64_t off = o * C + c0;
-        for (int64_t j = vec_end; j < nc; ++j) {
-          acc_t d = static_cast<acc_t>(dy[off + j]), xa = static_cast<acc_t>(x[off + j]);
-          ep.scalar(off + j, c0 + j, xa, d);
-          sum_dy.add(j, d);
-          sum_dy_xc.add(j, d * (xa - m[j]));
+        const bool first = o == r0;  // the run's sums start from zero, as in registers
+        for (int64_t j = 0; j < vec_end; j += K) {
+          const int64_t off = o * C + c0 + j;
+          Vec xv[P], dv[P];
+          IO::load(dy + off, dv);
+          IO::load(x + off, xv);
+          ep.columns(c0 + j).apply(off, K, xv, dv);
+          for (int q = 0; q < P; ++q) {
+            acc_t* a = run_dy + j + q * W;
+            acc_t* b = run_dy_xc + j + q * W;
+            const Vec a0 = first ? Vec(acc_t(0)) : Vec::loadu(a), b0 = first ? Vec(acc_t(0)) : Vec::loadu(b);
+            (a0 + dv[q]).store(a);
+            at::vec::fmadd(dv[q], xv[q] - Vec::loadu(m + j + q * W), b0).store(b);
+          }
         }
       }
+      for (int64_t j = 0; j < vec_end; j += W) {
+        sum_dy.add(j, Vec::loadu(run_dy + j));
+        sum_dy_xc.add(j, Vec::loadu(run_dy_xc + j));
+      }
+      grad_sums_tail(x, dy, e, blk, m, r0, r1, sum_dy, sum_dy_xc, ep);
     }
-    for (int64_t j = 0; j < nc; j += span)
-      out.at((c0 + j) / span, blk.slot) = {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)};
   }
 
-  // One chunk's coefficients (AffineArrays at channel j), as vectors.
-  struct ChunkCoefficients {
-    Vec mean[P], x_scale[P], bias[P], dy_scale[P];
-  };
-  C10_ALWAYS_INLINE static ChunkCoefficients coefficients_at(math::AffineArrays<acc_t> c, int64_t j,
-                                                             bool with_dy) {
-    ChunkCoefficients k;
-    for (int q = 0; q < P; ++q) {
-      k.mean[q] = Vec::loadu(c.mean + j + q * W);
-      k.x_scale[q] = Vec::loadu(c.x_scale + j + q * W);
-      k.bias[q] = Vec::loadu(c.bias + j + q * W);
-      if (with_dy) k.dy_scale[q] = Vec::loadu(c.dy_scale + j + q * W);
-    }
-    return k;
-  }
-
-  // affine() of the full chunk at offset `off`, whose columns' hooks are `bound`.
-  template <typename Bound, typename E>
-  C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
-                                             const Bound& bound, const E& ep, bool stream) {
-    Vec xv[P], yv[P];
-    IO::load(x + off, xv);
-    if (y) {
-      IO::load(y + off, yv);
-      bound.apply(off, K, xv, yv);
-      ep.store_dz(off, K, yv);
-    }
-    for (int q = 0; q < P; ++q) {
-      xv[q] = at::vec::fmadd(xv[q] - k.mean[q], k.x_scale[q], k.bias[q]);
-      if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
-      ep.post(xv[q]);
-    }
-    if (stream) IO::store_stream(out + off, xv);
-    else IO::store(out + off, xv);
-    ep.stored(out, off, K, xv);
-  }
-
-  // affine() of channels [k0, k1) of the row starting at offset `row`, one element at a time.
+  // The columns past the last full chunk, of rows [r0, r1), one element at a time.
   template <typename E>
-  static void affine_scalars(const T* x, const T* y, T* out, int64_t row, int64_t k0, int64_t k1,
-                             math::AffineArrays<acc_t> c, const E& ep) {
-    for (int64_t k = k0; k < k1; ++k) {
-      out[row + k] = scalar(x, y, row + k, k, c, ep);
-      ep.scalar_stored(row + k, out[row + k]);
-    }
-  }
-
-  // affine() over whole rows of G chunks (and a tail of under K channels),
-  // one row after the other, every chunk's coefficients held in registers
-  // for the whole block instead of reloaded each row.
-  template <int G, typename E>
-  static void few_chunk_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                          math::AffineArrays<acc_t> c, const E& ep, bool stream) {
-    const int64_t C = e.channels;
-    ChunkCoefficients k[G];
-    for (int g = 0; g < G; ++g) k[g] = coefficients_at(c, g * K, y != nullptr);
-    for (int64_t o = blk.o0; o < blk.o1; ++o) {
-      for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep, stream);
-      affine_scalars(x, y, out, o * C, G * K, C, c, ep);
-    }
-  }
-
-  // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
-  // null (the forward's normalization, dy_scale unused). The epilogue turns
-  // y into dz in the backward, or activates out in the forward.
-  // Streamed outputs (partition.h) are fenced here, once a block.
-  template <typename E = PlainEpilogue<T>>
-  static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                     const math::AffineArrays<acc_t>& arrays, const E& ep = E{}) {
-    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
-    affine_rows(x, y, out, e, blk, arrays, ep, stream);
-    if (stream) stream_fence();
-  }
-
-  // affine() without the fence, `stream` decided.
-  template <typename E>
-  static void affine_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
-                          const math::AffineArrays<acc_t>& arrays, const E& ep, bool stream) {
-    const int64_t C = e.channels;
-    // Local copies, passed by value: the vector stores may alias anything,
-    // the arrays' pointers included, unless their address never escapes.
-    const math::AffineArrays<acc_t> c = arrays;
-    const int64_t c0 = blk.s0, c1 = blk.s1;
-    // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
-    // channels) keep their coefficients in registers for the whole block:
-    // channels_last 32-64 channels and rows of 32-64 channels, float32 and
-    // bfloat16, took 0.83x-1.0x the time forward and backward, eval
-    // 0.74x-0.99x (A/B in one process, 2 threads).
-    constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
-    if (c0 == 0 && c1 == C) {
-      switch (C / K) {
-        case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep, stream);
-        case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream); break;
-        case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream); break;
-        case 4: if constexpr (kFewChunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream); break;
-        default: break;
+  static void grad_sums_tail(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* m, int64_t r0,
+                             int64_t r1, ColumnSums& sum_dy, ColumnSums& sum_dy_xc, const E& ep) {
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
+    for (int64_t o = r0; o < r1; ++o) {
+      const int64_t off = o * e.channels + c0;
+      for (int64_t j = nc - nc % K; j < nc; ++j) {
+        acc_t d = static_cast<acc_t>(dy[off + j]), xa = static_cast<acc_t>(x[off + j]);
+        ep.scalar(off + j, c0 + j, xa, d);
+        sum_dy.add(j, d);
+        sum_dy_xc.add(j, d * (xa - m[j]));
       }
     }
-    // Narrow rows go one after the other: four rows per chunk jump between
-    // lines of four rows, which costs the prefetchers more than the
-    // coefficient loads it saves. Narrow means segments of up to 1 KB, or
-    // whole rows of up to 2 KB, which make one sequential stream (eval
-    // forward of 8192x512 float32 and of channels_last 1024-channel bfloat16
-    // 0.7x the time, backward 0.85-0.9x); 2 KB segments of longer rows, and
-    // 4 KB rows, did better four at a time.
-    constexpr int64_t kSequentialSegmentBytes = 1024, kSequentialRowBytes = 2048;
-    const int64_t segment_bytes = (c1 - c0) * static_cast<int64_t>(sizeof(T));
-    const bool sequential = segment_bytes <= kSequentialSegmentBytes ||
-                            (c1 - c0 == C && segment_bytes <= kSequentialRowBytes);
-    int64_t o = blk.o0;
-    if (!sequential)
-      for (; o + kAffineRows <= blk.o1; o += kAffineRows) row_group<kAffineRows>(x, y, out, C, o, c0, c1, c, ep, stream);
-    for (; o < blk.o1; ++o) row_group<1>(x, y, out, C, o, c0, c1, c, ep, stream);
-  }
-
-  // Each chunk's coefficients are loaded once for kAffineRows rows on wide
-  // rows: with three or four coefficient vectors per data vector, L1 loads,
-  // not memory, bounded the single-row loop there.
-  static constexpr int64_t kAffineRows = 4;
-
-  // affine() of channels [c0, c1) of rows [o, o + R), chunk by chunk. A
-  // function of its own, every operand by value: as a lambda capturing them
-  // by reference (not always inlined) it reloaded each of them through the
-  // closure on every chunk.
-  template <int64_t R, typename E>
-  static void row_group(const T* x, const T* y, T* out, int64_t C, int64_t o, int64_t c0, int64_t c1,
-                        math::AffineArrays<acc_t> c, const E& ep, bool stream) {
-    int64_t j = c0;
-    for (; j + K <= c1; j += K) {
-      const auto bound = ep.columns(j);
-      const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
-      for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
-    }
-    for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
-  }
-
-  // One element of affine(), of channel k, at offset i.
-  template <typename E>
-  static T scalar(const T* x, const T* y, int64_t i, int64_t k, math::AffineArrays<acc_t> c, const E& ep) {
-    acc_t xa = static_cast<acc_t>(x[i]);
-    acc_t d = y ? static_cast<acc_t>(y[i]) : acc_t(0);
-    if (y) {
-      ep.scalar(i, k, xa, d);
-      ep.scalar_store_dz(i, d);
-    }
-    acc_t r = (xa - c.mean[k]) * c.x_scale[k] + c.bias[k];
-    if (y) r += c.dy_scale[k] * d;
-    return static_cast<T>(ep.scalar_post(r));
   }
 };
 

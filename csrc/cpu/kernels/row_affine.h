@@ -1,0 +1,180 @@
+// The row kernels' elementwise pass: out = dy_scale * y + x_scale * (x - mean)
+// + bias over a block of rows when channels are innermost (inner == 1,
+// partition.h), row by row in memory order or four rows per chunk.
+#pragma once
+
+#include <cstdint>
+
+#include <c10/macros/Macros.h>
+
+#include "batch_norm_math.h"
+#include "cpu/kernels/epilogue.h"
+#include "cpu/kernels/partition.h"
+#include "cpu/kernels/vec_io.h"
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+template <typename T>
+struct RowAffine {
+  using IO = Io<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
+  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+
+  // One chunk's coefficients (AffineArrays at channel j), as vectors.
+  struct ChunkCoefficients {
+    Vec mean[P], x_scale[P], bias[P], dy_scale[P];
+  };
+  C10_ALWAYS_INLINE static ChunkCoefficients coefficients_at(math::AffineArrays<acc_t> c, int64_t j,
+                                                             bool with_dy) {
+    ChunkCoefficients k;
+    for (int q = 0; q < P; ++q) {
+      k.mean[q] = Vec::loadu(c.mean + j + q * W);
+      k.x_scale[q] = Vec::loadu(c.x_scale + j + q * W);
+      k.bias[q] = Vec::loadu(c.bias + j + q * W);
+      if (with_dy) k.dy_scale[q] = Vec::loadu(c.dy_scale + j + q * W);
+    }
+    return k;
+  }
+
+  // affine() of the full chunk at offset `off`, whose columns' hooks are `bound`.
+  template <typename Bound, typename E>
+  C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
+                                             const Bound& bound, const E& ep, bool stream) {
+    Vec xv[P], yv[P];
+    IO::load(x + off, xv);
+    if (y) {
+      IO::load(y + off, yv);
+      bound.apply(off, K, xv, yv);
+      ep.store_dz(off, K, yv);
+    }
+    for (int q = 0; q < P; ++q) {
+      xv[q] = at::vec::fmadd(xv[q] - k.mean[q], k.x_scale[q], k.bias[q]);
+      if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
+      ep.post(xv[q]);
+    }
+    if (stream) IO::store_stream(out + off, xv);
+    else IO::store(out + off, xv);
+    ep.stored(out, off, K, xv);
+  }
+
+  // affine() of channels [k0, k1) of the row starting at offset `row`, one element at a time.
+  template <typename E>
+  static void affine_scalars(const T* x, const T* y, T* out, int64_t row, int64_t k0, int64_t k1,
+                             math::AffineArrays<acc_t> c, const E& ep) {
+    for (int64_t k = k0; k < k1; ++k) {
+      out[row + k] = scalar(x, y, row + k, k, c, ep);
+      ep.scalar_stored(row + k, out[row + k]);
+    }
+  }
+
+  // affine() over whole rows of G chunks (and a tail of under K channels),
+  // one row after the other, every chunk's coefficients held in registers
+  // for the whole block instead of reloaded each row.
+  template <int G, typename E>
+  static void few_chunk_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                          math::AffineArrays<acc_t> c, const E& ep, bool stream) {
+    const int64_t C = e.channels;
+    ChunkCoefficients k[G];
+    for (int g = 0; g < G; ++g) k[g] = coefficients_at(c, g * K, y != nullptr);
+    for (int64_t o = blk.o0; o < blk.o1; ++o) {
+      for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep, stream);
+      affine_scalars(x, y, out, o * C, G * K, C, c, ep);
+    }
+  }
+
+  // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
+  // null (the forward's normalization, dy_scale unused). The epilogue turns
+  // y into dz in the backward, or activates out in the forward.
+  // Streamed outputs (partition.h) are fenced here, once a block.
+  template <typename E = PlainEpilogue<T>>
+  static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                     const math::AffineArrays<acc_t>& arrays, const E& ep = E{}) {
+    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
+    affine_rows(x, y, out, e, blk, arrays, ep, stream);
+    if (stream) stream_fence();
+  }
+
+  // affine() without the fence, `stream` decided.
+  template <typename E>
+  static void affine_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                          const math::AffineArrays<acc_t>& arrays, const E& ep, bool stream) {
+    const int64_t C = e.channels;
+    // Local copies, passed by value: the vector stores may alias anything,
+    // the arrays' pointers included, unless their address never escapes.
+    const math::AffineArrays<acc_t> c = arrays;
+    const int64_t c0 = blk.s0, c1 = blk.s1;
+    // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
+    // channels) keep their coefficients in registers for the whole block:
+    // channels_last 32-64 channels and rows of 32-64 channels, float32 and
+    // bfloat16, took 0.83x-1.0x the time forward and backward, eval
+    // 0.74x-0.99x (A/B in one process, 2 threads).
+    constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
+    if (c0 == 0 && c1 == C) {
+      switch (C / K) {
+        case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep, stream);
+        case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream); break;
+        case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream); break;
+        case 4: if constexpr (kFewChunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream); break;
+        default: break;
+      }
+    }
+    // Narrow rows go one after the other: four rows per chunk jump between
+    // lines of four rows, which costs the prefetchers more than the
+    // coefficient loads it saves. Narrow means segments of up to 1 KB, or
+    // whole rows of up to 2 KB, which make one sequential stream (eval
+    // forward of 8192x512 float32 and of channels_last 1024-channel bfloat16
+    // 0.7x the time, backward 0.85-0.9x); 2 KB segments of longer rows, and
+    // 4 KB rows, did better four at a time.
+    constexpr int64_t kSequentialSegmentBytes = 1024, kSequentialRowBytes = 2048;
+    const int64_t segment_bytes = (c1 - c0) * static_cast<int64_t>(sizeof(T));
+    const bool sequential = segment_bytes <= kSequentialSegmentBytes ||
+                            (c1 - c0 == C && segment_bytes <= kSequentialRowBytes);
+    int64_t o = blk.o0;
+    if (!sequential)
+      for (; o + kAffineRows <= blk.o1; o += kAffineRows) row_group<kAffineRows>(x, y, out, C, o, c0, c1, c, ep, stream);
+    for (; o < blk.o1; ++o) row_group<1>(x, y, out, C, o, c0, c1, c, ep, stream);
+  }
+
+  // Each chunk's coefficients are loaded once for kAffineRows rows on wide
+  // rows: with three or four coefficient vectors per data vector, L1 loads,
+  // not memory, bounded the single-row loop there.
+  static constexpr int64_t kAffineRows = 4;
+
+  // affine() of channels [c0, c1) of rows [o, o + R), chunk by chunk. A
+  // function of its own, every operand by value: as a lambda capturing them
+  // by reference (not always inlined) it reloaded each of them through the
+  // closure on every chunk.
+  template <int64_t R, typename E>
+  static void row_group(const T* x, const T* y, T* out, int64_t C, int64_t o, int64_t c0, int64_t c1,
+                        math::AffineArrays<acc_t> c, const E& ep, bool stream) {
+    int64_t j = c0;
+    for (; j + K <= c1; j += K) {
+      const auto bound = ep.columns(j);
+      const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
+      for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
+    }
+    for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
+  }
+
+  // One element of affine(), of channel k, at offset i.
+  template <typename E>
+  static T scalar(const T* x, const T* y, int64_t i, int64_t k, math::AffineArrays<acc_t> c, const E& ep) {
+    acc_t xa = static_cast<acc_t>(x[i]);
+    acc_t d = y ? static_cast<acc_t>(y[i]) : acc_t(0);
+    if (y) {
+      ep.scalar(i, k, xa, d);
+      ep.scalar_store_dz(i, d);
+    }
+    acc_t r = (xa - c.mean[k]) * c.x_scale[k] + c.bias[k];
+    if (y) r += c.dy_scale[k] * d;
+    return static_cast<T>(ep.scalar_post(r));
+  }
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu
