@@ -110,75 +110,78 @@ struct RowReductions {
     return lanes[0];
   }
 
-  // Statistics pass 1 over the block: exact sums of x (plain runs of
-  // kRowRun rows, each added exactly) and max |x|, per column.
-  static void sum_max_pass(const T* x, const Extent& e, const Block& blk, ColumnSums& sx, acc_t* max_abs) {
+  // The walk of both statistics passes: for each run of kRowRun rows, each
+  // group of full chunks gets chunk(j, group, r0, r1), which sums the run's
+  // rows of it in registers; then the columns past the last full chunk get
+  // tail(value, j), row by row.
+  template <typename Chunk, typename Tail>
+  static void for_runs(const T* x, const Extent& e, const Block& blk, const Chunk& chunk, const Tail& tail) {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
-        constexpr int N = decltype(group)::value * P;
-        Vec a[N], mx[N];
-        for (int q = 0; q < N; ++q) {
-          a[q] = Vec(acc_t(0));
-          mx[q] = Vec::loadu(max_abs + j + q * W);
-        }
-        for (int64_t o = r0; o < r1; ++o) {
-          Vec v[N];
-          IO::template load_chunks<decltype(group)::value>(x + o * C + c0 + j, v);
-          for (int q = 0; q < N; ++q) {
-            a[q] = a[q] + v[q];
-            mx[q] = at::vec::clamp_min(v[q].abs(), mx[q]);  // a plain max: see exact_centre
-          }
-        }
-        for (int q = 0; q < N; ++q) {
-          sx.add(j + q * W, a[q]);
-          mx[q].store(max_abs + j + q * W);
-        }
-      });
+      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) { chunk(j, group, r0, r1); });
+      for (int64_t o = r0; o < r1; ++o)
+        for (int64_t j = vec_end; j < nc; ++j) tail(static_cast<acc_t>(x[o * C + c0 + j]), j);
+    }
+  }
+
+  // Statistics pass 1 over the block: exact sums of x (plain runs of
+  // kRowRun rows, each added exactly) and max |x|, per column.
+  static void sum_max_pass(const T* x, const Extent& e, const Block& blk, ColumnSums& sx, acc_t* max_abs) {
+    const T* base = x + blk.s0;
+    const int64_t C = e.channels;
+    auto chunk = [&](int64_t j, auto group, int64_t r0, int64_t r1) {
+      constexpr int N = decltype(group)::value * P;
+      Vec a[N], mx[N];
+      for (int q = 0; q < N; ++q) {
+        a[q] = Vec(acc_t(0));
+        mx[q] = Vec::loadu(max_abs + j + q * W);
+      }
       for (int64_t o = r0; o < r1; ++o) {
-        const T* row = x + o * C + c0;
-        for (int64_t j = vec_end; j < nc; ++j) {
-          const acc_t a = static_cast<acc_t>(row[j]);
-          sx.add(j, a);
-          max_abs[j] = std::max(max_abs[j], std::abs(a));
+        Vec v[N];
+        IO::template load_chunks<decltype(group)::value>(base + o * C + j, v);
+        for (int q = 0; q < N; ++q) {
+          a[q] = a[q] + v[q];
+          mx[q] = at::vec::clamp_min(v[q].abs(), mx[q]);  // a plain max: see exact_centre
         }
       }
-    }
+      for (int q = 0; q < N; ++q) {
+        sx.add(j + q * W, a[q]);
+        mx[q].store(max_abs + j + q * W);
+      }
+    };
+    for_runs(x, e, blk, chunk, [&](acc_t a, int64_t j) {
+      sx.add(j, a);
+      max_abs[j] = std::max(max_abs[j], std::abs(a));
+    });
   }
 
   // Statistics pass 2 over the block: exact sums of (x - centre)^2 per column.
   static void squares_pass(const T* x, const Extent& e, const Block& blk, const acc_t* centre, ColumnSums& sd) {
+    const T* base = x + blk.s0;
     const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
-    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
-      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
-        constexpr int N = decltype(group)::value * P;
-        Vec a[N], cv[N];
-        for (int q = 0; q < N; ++q) {
-          a[q] = Vec(acc_t(0));
-          cv[q] = Vec::loadu(centre + j + q * W);
-        }
-        for (int64_t o = r0; o < r1; ++o) {
-          Vec v[N];
-          IO::template load_chunks<decltype(group)::value>(x + o * C + c0 + j, v);
-          for (int q = 0; q < N; ++q) {
-            const Vec d = v[q] - cv[q];
-            a[q] = at::vec::fmadd(d, d, a[q]);
-          }
-        }
-        for (int q = 0; q < N; ++q) sd.add_nonnegative(j + q * W, a[q]);
-      });
+    auto chunk = [&](int64_t j, auto group, int64_t r0, int64_t r1) {
+      constexpr int N = decltype(group)::value * P;
+      Vec a[N], cv[N];
+      for (int q = 0; q < N; ++q) {
+        a[q] = Vec(acc_t(0));
+        cv[q] = Vec::loadu(centre + j + q * W);
+      }
       for (int64_t o = r0; o < r1; ++o) {
-        const T* row = x + o * C + c0;
-        for (int64_t j = vec_end; j < nc; ++j) {
-          const acc_t d = static_cast<acc_t>(row[j]) - centre[j];
-          add_exact_nonnegative(sd.sum[j], sd.err[j], d * d);
+        Vec v[N];
+        IO::template load_chunks<decltype(group)::value>(base + o * C + j, v);
+        for (int q = 0; q < N; ++q) {
+          const Vec d = v[q] - cv[q];
+          a[q] = at::vec::fmadd(d, d, a[q]);
         }
       }
-    }
+      for (int q = 0; q < N; ++q) sd.add_nonnegative(j + q * W, a[q]);
+    };
+    for_runs(x, e, blk, chunk, [&](acc_t a, int64_t j) {
+      const acc_t d = a - centre[j];
+      add_exact_nonnegative(sd.sum[j], sd.err[j], d * d);
+    });
   }
 
   // The block's exact sum(dy) and sum(dy * (x - mean)) of each of its
