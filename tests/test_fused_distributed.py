@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import time
 import traceback
 import warnings
@@ -77,6 +78,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             result["input_grads"].append(x.grad)
             result["param_grads"].append({n: p.grad for n, p in model.named_parameters()})
         result["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+        # DDP's reducer goes before its process group: destroyed after it, at
+        # the worker's exit, it aborted the process now and then (SIGABRT,
+        # "terminate called without an active exception", results saved).
+        del ddp, model, y, x
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
