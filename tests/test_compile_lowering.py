@@ -246,3 +246,38 @@ def test_lowered_operators_match_eager(form, dtype, layout):
             assert a.stride() == b.stride(), (i, a.stride(), b.stride())
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"output {i}: {m}")
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["ours", "fused"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_lowered_backward_receives_its_tensors_in_one_layout(layout, fuse):
+    """The gradient reaching a batch norm from a max-pool's backward (a kernel of inductor's
+    own, laid out as inductor likes) and a fused block's saved output come to this library's
+    backward operator in src's layout: it copies nothing (it would copy them into src's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    native = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+    ).to(memory_format=memory_format)
+    model = torch_bn_grad.convert_batchnorm(native, fuse=fuse)
+    compiled = torch.compile(model)
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=memory_format).requires_grad_()
+    for _ in range(2):
+        compiled(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    ops = [e for e in prof.events() if e.name.startswith("torch_bn_grad::batch_norm")]
+    assert any("backward" in e.name for e in ops)
+
+    def copies(event):
+        for child in event.cpu_children:
+            if child.name in ("aten::clone", "aten::contiguous", "aten::copy_"):
+                yield child.name
+            yield from copies(child)
+
+    assert [(e.name, c) for e in ops for c in copies(e)] == []

@@ -353,8 +353,10 @@ def test_every_isa_kernel_agrees():
 def test_inductor_rewrites_match_the_operators(activation, layout, monkeypatch):
     """The inductor lowering (torch_bn_grad/_inductor_act.py), run eagerly on real
     tensors, gives the operators' results; it is in inductor's table. A training
-    backward on CPU keeps the operator; its rewrite (taken on CUDA) is checked
-    here with that rule switched off."""
+    backward on CPU gates diff_dst in ATen and runs batch_norm_backward on the
+    result where that gate is exact (the fused kernel's numbers, bit for bit), and
+    keeps the operator otherwise (silu); the whole rewrite (taken on CUDA) is
+    checked here with that rule switched off."""
     from torch_bn_grad import _inductor, _inductor_act
 
     assert _inductor.ensure_registered()
@@ -372,11 +374,46 @@ def test_inductor_rewrites_match_the_operators(activation, layout, monkeypatch):
                                                              False)
     bwd = torch.ops.torch_bn_grad.batch_norm_act_backward.default
     train_args = (dy, x, y, r, m, v, w, b, EPS, activation, SLOPE, "NCX", True, False, [True] * 4)
-    assert rewrites[bwd](*train_args) is NotImplemented
+    if activation == "silu":
+        assert rewrites[bwd](*train_args) is NotImplemented
+    else:
+        for got, want in zip(rewrites[bwd](*train_args), bwd(*train_args)):
+            assert torch.equal(got, want)
+            assert got.stride() == want.stride()
     monkeypatch.setattr(_inductor, "reduces_in_kernel", lambda src, training: False)
     for training in (True, False):
         args = (dy, x, y, r, m, v, w, b, EPS, activation, SLOPE, "NCX", training, False, [True] * 4)
         torch.testing.assert_close(rewrites[bwd](*args), bwd(*args), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["rank2", "rank3", "rank4", "rank4-cl"])
+def test_inductor_cpu_training_backward_rewrite_is_the_kernels_bit_for_bit(dtype, layout):
+    """On CPU, the training backward's rewrite (the gate in ATen, then batch_norm_backward)
+    returns the fused operator's results bit for bit, with its dtypes and strides, where the
+    gate is exact; leaky_relu on half-precision data (a rounded product) stays opaque."""
+    from torch_bn_grad import _inductor_act
+
+    shape, fmt = {"rank2": ((64, 40), torch.contiguous_format), "rank3": ((4, 16, 33), torch.contiguous_format),
+                  "rank4": ((8, 24, 7, 7), torch.contiguous_format),
+                  "rank4-cl": ((8, 24, 7, 7), torch.channels_last)}[layout]
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(3)
+    x, r, dy = (torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=fmt) for _ in range(3))
+    w, b = (torch.rand(shape[1], generator=g) + 0.5).to(param), torch.randn(shape[1], generator=g).to(param)
+    bwd = torch.ops.torch_bn_grad.batch_norm_act_backward.default
+    for activation in ("identity", "relu", "leaky_relu"):
+        y, m, v = torch.ops.torch_bn_grad.batch_norm_act_forward(x, w, b, None, None, r, EPS, activation, SLOPE,
+                                                                 "NCX", False)
+        for mask in ([True] * 4, [True, False, False, True], [False, True, True, False]):
+            args = (dy, x, y, r, m, v, w, b, EPS, activation, SLOPE, "NCX", True, False, mask)
+            got = _inductor_act.rewrites()[bwd](*args)
+            if activation == "leaky_relu" and dtype in (torch.float16, torch.bfloat16):
+                assert got is NotImplemented
+                continue
+            for a, e in zip(got, bwd(*args)):
+                assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e)
+                assert a.numel() == 0 or a.stride() == e.stride()
 
 
 def test_inductor_compile_matches_eager():

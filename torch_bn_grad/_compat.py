@@ -137,10 +137,15 @@ def inductor_decompositions(module: Any) -> tuple[dict, Callable[[], dict], Any]
     raise _inductor_lacks("table")
 
 
-def inductor_fallback() -> Optional[Callable[[Any], None]]:
-    """A function that registers inductor's fallback (an extern call) for an operator, as
-    inductor makes for operators it has no lowering for; None when inductor's lowerings are
-    not loaded (not compiling with inductor: nothing to register)."""
+def inductor_fallback() -> Optional[Callable[..., None]]:
+    """A function ``fallback(op, same_layout=())`` that registers inductor's fallback (an extern
+    call) for an operator, as inductor makes for operators it has no lowering for; None when
+    inductor's lowerings are not loaded (not compiling with inductor: nothing to register).
+
+    ``same_layout`` names full-size tensor arguments of ``op`` (schema names): at lowering,
+    those whose layout inductor has not fixed yet (a fused kernel's output, say) are laid
+    out in the stride order of the first one that has a fixed layout, instead of inductor's
+    default (contiguous), so that the operator does not copy them into its anchor's layout."""
     _check_inductor_version()
     lowering = sys.modules.get("torch._inductor.lowering")
     library_utils = importlib.import_module("torch._library.utils")
@@ -150,12 +155,62 @@ def inductor_fallback() -> Optional[Callable[[Any], None]]:
     if not (all(hasattr(lowering, n) for n in ("lowerings", "make_fallback", "tag_to_layout_constraint")) and get_tag):
         raise _inductor_lacks("fallback")
 
-    def fallback(op: Any) -> None:
+    def fallback(op: Any, same_layout: tuple[str, ...] = ()) -> None:
         if op not in lowering.lowerings:
             constraint = lowering.tag_to_layout_constraint(get_tag(op, with_default=True))
             lowering.make_fallback(op, layout_constraint=constraint, override_decomp=True)
+            if same_layout:
+                lowering.lowerings[op] = _lowering_with_same_layout(lowering.lowerings[op], op, same_layout)
 
     return fallback
+
+
+def _inductor_ir() -> tuple[Any, Any]:
+    """(``torch._inductor.ir``, ``torch._inductor.virtualized.V``), checked for what
+    ``_lowering_with_same_layout`` uses."""
+    ir = importlib.import_module("torch._inductor.ir")
+    virtualized = importlib.import_module("torch._inductor.virtualized")
+    extern = getattr(ir, "ExternKernel", None)
+    if not (all(hasattr(ir, n) for n in ("IRNode", "FlexibleLayout", "get_stride_order"))
+            and hasattr(extern, "require_stride_order") and hasattr(ir.IRNode, "maybe_get_layout")
+            and hasattr(virtualized, "V")):
+        raise _inductor_lacks("layouts")
+    return ir, virtualized.V
+
+
+def _lowering_with_same_layout(lower: Callable, op: Any, names: tuple[str, ...]) -> Callable:
+    """``lower`` (an operator's fallback lowering) after laying out the not yet fixed
+    arguments among ``names`` in the stride order of the first fixed one."""
+    ir, V = _inductor_ir()
+    positions = {a.name: i for i, a in enumerate(op._schema.arguments)}
+    slots = [(positions[name], name) for name in names]
+
+    def fixed_order(node: Any) -> Optional[list[int]]:
+        layout = node.maybe_get_layout()
+        if layout is None or isinstance(layout, ir.FlexibleLayout):
+            return None
+        return ir.get_stride_order(layout.stride, V.graph.sizevars.shape_env)
+
+    def lowering_with_same_layout(*args: Any, **kwargs: Any) -> Any:
+        args = list(args)
+
+        def get(i: int, name: str) -> Any:
+            return args[i] if i < len(args) else kwargs.get(name)
+
+        tensors = [(i, name, get(i, name)) for i, name in slots]
+        tensors = [(i, name, t) for i, name, t in tensors if isinstance(t, ir.IRNode)]
+        anchor = next((order for _, _, t in tensors if (order := fixed_order(t)) is not None), None)
+        if anchor is not None:
+            for i, name, t in tensors:
+                if fixed_order(t) is None:
+                    aligned = ir.ExternKernel.require_stride_order(t, anchor)
+                    if i < len(args):
+                        args[i] = aligned
+                    else:
+                        kwargs[name] = aligned
+        return lower(*args, **kwargs)
+
+    return lowering_with_same_layout
 
 
 def inductor_compile_fx() -> Callable:

@@ -213,16 +213,27 @@ def _warn(reason: str) -> None:
         )
 
 
+# The full-size tensor arguments of each operator that the kernels want in one
+# layout (they copy the others into the first's). Under inductor, those it has
+# not laid out yet (a fused kernel's output: the gradient coming back through a
+# max-pool or an activation) are laid out like the first fixed one, where inductor
+# would otherwise pick contiguous next to a channels_last convolution output.
+_SAME_LAYOUT = {
+    "batch_norm_backward": ("src", "diff_dst"),
+    "batch_norm_act_forward": ("src", "residual"),
+    "batch_norm_act_backward": ("src", "dst", "diff_dst", "residual"),
+}
+
+
 def _opaque(op: OpOverload) -> Any:
     """Keep ``op`` as it is: inductor calls it as an extern kernel, as it would
     without the rewrite (which, being in its decomposition table, it would refuse)."""
     try:
         fallback = _compat.inductor_fallback()
+        if fallback is not None:
+            fallback(op, _SAME_LAYOUT.get(op._schema.name.split("::")[-1], ()))
     except _compat.PrivateAPIMissing as missing:
         _warn(str(missing))
-        return NotImplemented
-    if fallback is not None:
-        fallback(op)
     return NotImplemented
 
 
@@ -266,12 +277,15 @@ def sync_cache_key() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
-    """A hash of this file, so that compilations cached by another version of the rewrites are not reused."""
+    """A hash of the rewrites' files, so that compilations cached by another version are not reused."""
+    digest = hashlib.sha256()
     try:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
-    except OSError:
+        for module in (__file__, _compat.__file__, sys.modules[__package__ + "._inductor_act"].__file__):
+            with open(module, "rb") as f:
+                digest.update(f.read())
+    except (OSError, KeyError):
         return "unknown"
+    return digest.hexdigest()[:16]
 
 
 def is_registered() -> bool:

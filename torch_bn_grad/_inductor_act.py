@@ -45,11 +45,16 @@ def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, eps
                   data_format, training, from_output, output_mask, dst_positive=None):
     op = torch.ops.torch_bn_grad.batch_norm_act_backward.default
     if (not config.compile_lowering or from_output or src is None or diff_dst.dtype != src.dtype
-            or dst_positive is not None or _inductor.reduces_in_kernel(src, training)):
+            or dst_positive is not None):
         return _inductor._opaque(op)
     form = _inductor._form(src, mean, data_format)
     if form is None or _inductor._layout(diff_dst) is None:
         return _inductor._opaque(op)
+    if _inductor.reduces_in_kernel(src, training):
+        if not _gate_is_exact(activation, src, dst):
+            return _inductor._opaque(op)
+        return _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activation, negative_slope,
+                                 data_format, output_mask)
     acc = _inductor._acc_dtype(src)
     dy = diff_dst.to(acc)
     if activation == "relu":
@@ -70,6 +75,41 @@ def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, eps
     layout = _inductor._layout(src)
     diff_residual = dz.to(src.dtype).contiguous(memory_format=layout) if output_mask[3] else src.new_empty(0)
     return diff_src, diff_gamma, diff_beta, diff_residual
+
+
+def _gate_is_exact(activation: str, src, dst) -> bool:
+    """Whether dz = diff_dst * act'(z) in src's dtype is what the fused kernel computes:
+    a selection (relu, identity) or a product in float32/float64 (leaky_relu)."""
+    if activation == "identity":
+        return True
+    if activation == "relu":
+        return dst is not None
+    return activation == "leaky_relu" and dst is not None and src.dtype not in _inductor._HALF
+
+
+def _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activation, negative_slope, data_format,
+                      output_mask):
+    """A CPU training backward: the activation's gate as ATen arithmetic, which inductor
+    fuses into diff_dst's producer (a max-pool's or a convolution's backward, the next
+    block's residual sum) and reads dst in whatever layout inductor gave it, then this
+    library's batch_norm_backward on dz (its reductions, eager mode's numbers). The opaque
+    fused operator read dst and diff_dst whole and copied whichever inductor had laid out
+    unlike src (a contiguous model's saved activations next to its channels_last
+    convolution outputs)."""
+    if activation == "relu":
+        dz = torch.where(dst > 0, diff_dst, 0)
+    elif activation == "leaky_relu":
+        dz = torch.where(dst > 0, diff_dst, diff_dst * negative_slope)
+    else:
+        dz = diff_dst.clone()
+    dz = dz.contiguous(memory_format=_inductor._layout(src))
+    if any(output_mask[:3]):
+        diff_src, diff_gamma, diff_beta = torch.ops.torch_bn_grad.batch_norm_backward.default(
+            src, dz, mean, variance, None if gamma is None else gamma.to(mean.dtype), epsilon, data_format, True,
+            list(output_mask[:3]))
+    else:
+        diff_src, diff_gamma, diff_beta = src.new_empty(0), mean.new_empty(0), mean.new_empty(0)
+    return diff_src, diff_gamma, diff_beta, dz if output_mask[3] else src.new_empty(0)
 
 
 def rewrites() -> dict[Any, Any]:
