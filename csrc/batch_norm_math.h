@@ -108,8 +108,9 @@ TBG_HOST_DEVICE GradSums<double> recentre(const GradSums<double>& s, double mean
   return {s.sum_dy, s.sum_dy_xc - (mean - centre) * s.sum_dy};
 }
 
-// diff_src = dy_scale * dy + x_scale * (x - mean) + bias. In training (batch
-// statistics over `count` elements) dy_scale = gamma * rstd,
+// diff_src = dy_scale * dy + x_scale * (x - mean) + bias, from rstd = rstd_of(variance,
+// epsilon) (taken once a channel by the callers, which also pass it to
+// parameter_grads). In training (batch statistics over `count` elements) dy_scale = gamma * rstd,
 // x_scale = -dy_scale * rstd^2 * sum_dy_xc / count, bias = -dy_scale * sum_dy / count;
 // with frozen statistics only dy_scale. A count below 1 (no data, or
 // inconsistent split-stage arguments) leaves x_scale and bias 0.
@@ -119,10 +120,8 @@ struct BackwardCoefficients {
   double bias;
 };
 
-TBG_HOST_DEVICE BackwardCoefficients backward_coefficients(double variance, double gamma, double epsilon,
-                                                           const GradSums<double>& sums, double count,
-                                                           bool training) {
-  const double rstd = rstd_of(variance, epsilon);
+TBG_HOST_DEVICE BackwardCoefficients backward_coefficients(double rstd, double gamma, const GradSums<double>& sums,
+                                                           double count, bool training) {
   const double dy_scale = gamma * rstd;
   if (!training || !(count >= 1)) return {dy_scale, 0.0, 0.0};
   return {dy_scale, -dy_scale * rstd * rstd * sums.sum_dy_xc / count, -dy_scale * sums.sum_dy / count};
@@ -134,8 +133,8 @@ struct ParameterGrads {
   double diff_beta;
 };
 
-TBG_HOST_DEVICE ParameterGrads parameter_grads(double variance, double epsilon, const GradSums<double>& sums) {
-  return {rstd_of(variance, epsilon) * sums.sum_dy_xc, sums.sum_dy};
+TBG_HOST_DEVICE ParameterGrads parameter_grads(double rstd, const GradSums<double>& sums) {
+  return {rstd * sums.sum_dy_xc, sums.sum_dy};
 }
 
 // ------------------------------------------------------------------ elementwise pass

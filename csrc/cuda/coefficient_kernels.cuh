@@ -107,14 +107,15 @@ __device__ __forceinline__ void store_backward_coefficients(const BackwardCoeffi
                                                             const GradSums<double>& taken) {
   GradSums<double> sums = taken;
   if (p.unit != nullptr) sums.sum_dy_xc /= p.unit[k];
+  const double rstd = math::rstd_of(p.variance[k], p.epsilon);
   if (p.affine.x_scale != nullptr) {
     const double gamma = p.gamma != nullptr ? p.gamma[k] : 1.0;
-    math::BackwardCoefficients c = math::backward_coefficients(
-        p.variance[k], gamma, p.epsilon, sums, static_cast<double>(p.reduced), p.training);
+    math::BackwardCoefficients c =
+        math::backward_coefficients(rstd, gamma, sums, static_cast<double>(p.reduced), p.training);
     if (p.unit != nullptr) c.x_scale /= p.unit[k];
     p.affine.store(k, math::channel_affine<A>(static_cast<double>(p.mean[k]), c));
   }
-  const math::ParameterGrads grads = math::parameter_grads(p.variance[k], p.epsilon, sums);
+  const math::ParameterGrads grads = math::parameter_grads(rstd, sums);
   if (p.diff_gamma != nullptr) p.diff_gamma[k] = grads.diff_gamma;
   if (p.diff_beta != nullptr) p.diff_beta[k] = grads.diff_beta;
 }
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(kThreads)
   const GradSums<double> s{sums[k], sums[channels + k]};
   const double g = gamma != nullptr ? gamma[k] : 1.0;
   const math::BackwardCoefficients c =
-      math::backward_coefficients(variance[k], g, epsilon, s, count[k], /*training=*/true);
+      math::backward_coefficients(math::rstd_of(variance[k], epsilon), g, s, count[k], /*training=*/true);
   affine.store(k, math::channel_affine<A>(mean[k], c));
 }
 

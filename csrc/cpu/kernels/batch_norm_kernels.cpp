@@ -87,8 +87,9 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
   AffineTable<acc_t> co(e.channels);
   for (int64_t k = 0; k < e.channels; ++k) {
     const GradSums s{sums[k], sums[e.channels + k]};
-    co.set(k, math::channel_affine<acc_t>(mean[k], math::backward_coefficients(var[k], gamma[k], eps, s, count[k],
-                                                                                /*training=*/true)));
+    const math::BackwardCoefficients c =
+        math::backward_coefficients(math::rstd_of(var[k], eps), gamma[k], s, count[k], /*training=*/true);
+    co.set(k, math::channel_affine<acc_t>(mean[k], c));
   }
   const Blocks b(e);
   const math::AffineArrays<acc_t> coefficients = co.arrays();

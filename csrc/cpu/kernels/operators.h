@@ -187,10 +187,11 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     if (need_sums) sums = parts.merged(k, {0, 0});
     sums = math::recentre(sums, centre[k], static_cast<double>(co.mean[k]));
     if (unit) sums.sum_dy_xc /= unit[k];
-    math::BackwardCoefficients c = math::backward_coefficients(var[k], gamma[k], eps, sums, count, training);
+    const double rstd = math::rstd_of(var[k], eps);
+    math::BackwardCoefficients c = math::backward_coefficients(rstd, gamma[k], sums, count, training);
     if (unit) c.x_scale /= unit[k];
     co.set(k, math::channel_affine<acc_t>(centre[k], c));
-    const math::ParameterGrads grads = math::parameter_grads(var[k], eps, sums);
+    const math::ParameterGrads grads = math::parameter_grads(rstd, sums);
     if (diff_gamma) diff_gamma[k] = grads.diff_gamma;
     if (diff_beta) diff_beta[k] = grads.diff_beta;
   };

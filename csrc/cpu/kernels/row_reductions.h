@@ -82,16 +82,17 @@ struct RowReductions {
     std::fill(max_abs, max_abs + nc, acc_t(0));
     sum_max_pass(x, e, blk, sx, max_abs);
     const double count = rows * static_cast<double>(span);
-    for (int64_t j = 0; j < nc; j += span) {
-      sum_x[j / span] = segment_total(sx, j, span);
-      const acc_t c = exact_centre<acc_t>(sum_x[j / span] / count, *std::max_element(max_abs + j, max_abs + j + span));
+    // i: the block's i-th channel, columns [j, j + span) (no division a column).
+    for (int64_t i = 0, j = 0; j < nc; ++i, j += span) {
+      sum_x[i] = segment_total(sx, j, span);
+      const acc_t c = exact_centre<acc_t>(sum_x[i] / count, *std::max_element(max_abs + j, max_abs + j + span));
       std::fill(centre + j, centre + j + span, c);
     }
     ColumnSums sd(nc);
     squares_pass(x, e, blk, centre, sd);
-    for (int64_t j = 0; j < nc; j += span)
-      out.at((blk.s0 + j) / span, blk.slot) =
-          math::centred_moments(count, sum_x[j / span], centre[j], segment_total(sd, j, span));
+    const int64_t k0 = blk.s0 / span;
+    for (int64_t i = 0, j = 0; j < nc; ++i, j += span)
+      out.at(k0 + i, blk.slot) = math::centred_moments(count, sum_x[i], centre[j], segment_total(sd, j, span));
   }
 
   // Sum of columns [j, j + n) of `s` in float64, in a fixed order: lanes of
@@ -203,8 +204,9 @@ struct RowReductions {
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
     if (grad_sums_walk_rows(e, blk)) grad_sums_by_rows(x, dy, e, blk, m, sum_dy, sum_dy_xc, ep);
     else grad_sums_by_chunks(x, dy, e, blk, m, sum_dy, sum_dy_xc, ep);
-    for (int64_t j = 0; j < nc; j += span)
-      out.at((c0 + j) / span, blk.slot) = {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)};
+    const int64_t k0 = c0 / span;  // blocks hold whole segments
+    for (int64_t i = 0, j = 0; j < nc; ++i, j += span)
+      out.at(k0 + i, blk.slot) = {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)};
   }
 
   // Whether the grad sums walk the block row by row (grad_sums_by_rows): its
