@@ -13,6 +13,13 @@
 // * Elementwise pass (both directions): ChannelAffine {mean, dy_scale,
 //   x_scale, bias} of the accumulation type; the forward fills it with
 //   x_scale = scale, bias = shift and no dy.
+//
+// The float64 formulas take their values as `D`: double, or on the CPU a
+// vector of doubles (at::vec::Vectorized<double>) that holds one channel per
+// lane, so that the CPU derives its channels' coefficients a vector at a
+// time with the same IEEE operations, lane for lane. They use + - * / and
+// LaneMath<D>::sqrt only, and take the per-call constants (epsilon, count)
+// as double.
 #pragma once
 
 #include <cmath>
@@ -26,6 +33,13 @@
 
 namespace torch_bn_grad::math {
 
+// The operations on D that are not operators; the CPU kernels specialize it
+// for their vectors (cpu/kernels/channel_lanes.h).
+template <typename D>
+struct LaneMath {
+  TBG_HOST_DEVICE static D sqrt(D x) { return ::sqrt(x); }
+};
+
 // ------------------------------------------------------------------ statistics
 // Count, mean and centred second moment of a set of values. `Count` is the
 // type the counts travel in (float64 on the CPU, int64 on CUDA).
@@ -36,21 +50,28 @@ struct Moments {
   A m2;
 };
 
-// Chan et al.'s merge of the moments of two disjoint sets: no cancellation,
-// exact up to rounding. An empty `b` leaves `a` unchanged.
+// Chan et al.'s merge of the moments of two disjoint sets, neither empty:
+// no cancellation, exact up to rounding.
 template <typename A, typename Count>
-TBG_HOST_DEVICE Moments<A, Count> merge(const Moments<A, Count>& a, const Moments<A, Count>& b) {
-  if (b.count == 0) return a;
+TBG_HOST_DEVICE Moments<A, Count> merge_nonempty(const Moments<A, Count>& a, const Moments<A, Count>& b) {
   const Count count = a.count + b.count;
   const A b_share = static_cast<A>(b.count) / static_cast<A>(count);  // the merge's one division
   const A delta = b.mean - a.mean;
   return {count, a.mean + delta * b_share, a.m2 + (b.m2 + delta * delta * (static_cast<A>(a.count) * b_share))};
 }
 
-// The biased variance of merged moments.
+// merge_nonempty, where either may be empty (an empty `b` leaves `a` unchanged).
 template <typename A, typename Count>
-TBG_HOST_DEVICE double variance_of(const Moments<A, Count>& m) {
-  return static_cast<double>(m.m2) / static_cast<double>(m.count);
+TBG_HOST_DEVICE Moments<A, Count> merge(const Moments<A, Count>& a, const Moments<A, Count>& b) {
+  if (b.count == 0) return a;
+  if (a.count == 0) return b;
+  return merge_nonempty(a, b);
+}
+
+// The biased variance of merged moments.
+template <typename D, typename Count>
+TBG_HOST_DEVICE D variance_of(const Moments<D, Count>& m) {
+  return m.m2 / static_cast<D>(m.count);
 }
 
 // The moments of `count` values from the exact sums of x and of (x - centre)^2
@@ -76,16 +97,20 @@ TBG_HOST_DEVICE Moments<double> shifted_moments(double count, double centre, dou
 
 // ------------------------------------------------------------------ forward
 // dst = scale * (x - mean) + shift.
+template <typename D = double>
 struct ForwardCoefficients {
-  double scale;
-  double shift;
+  D scale;
+  D shift;
 };
 
-TBG_HOST_DEVICE double rstd_of(double variance, double epsilon) { return 1.0 / sqrt(variance + epsilon); }
+template <typename D>
+TBG_HOST_DEVICE D rstd_of(D variance, double epsilon) {
+  return D(1.0) / LaneMath<D>::sqrt(variance + D(epsilon));
+}
 
-TBG_HOST_DEVICE ForwardCoefficients forward_coefficients(double variance, double gamma, double beta,
-                                                         double epsilon) {
-  return {gamma / sqrt(variance + epsilon), beta};
+template <typename D>
+TBG_HOST_DEVICE ForwardCoefficients<D> forward_coefficients(D variance, D gamma, D beta, double epsilon) {
+  return {gamma / LaneMath<D>::sqrt(variance + D(epsilon)), beta};
 }
 
 // ------------------------------------------------------------------ backward
@@ -101,10 +126,17 @@ TBG_HOST_DEVICE GradSums<A> merge(const GradSums<A>& a, const GradSums<A>& b) {
   return {a.sum_dy + b.sum_dy, a.sum_dy_xc + b.sum_dy_xc};
 }
 
+// The same, for the vectors that merge_nonempty names for moments.
+template <typename A>
+TBG_HOST_DEVICE GradSums<A> merge_nonempty(const GradSums<A>& a, const GradSums<A>& b) {
+  return merge(a, b);
+}
+
 // Sums taken about `centre` (the mean rounded to the accumulation type, which
 // the kernels subtract) re-centred on the exact `mean`:
 // sum(dy (x - mean)) = sum(dy (x - centre)) - (mean - centre) sum(dy).
-TBG_HOST_DEVICE GradSums<double> recentre(const GradSums<double>& s, double mean, double centre) {
+template <typename D>
+TBG_HOST_DEVICE GradSums<D> recentre(const GradSums<D>& s, D mean, D centre) {
   return {s.sum_dy, s.sum_dy_xc - (mean - centre) * s.sum_dy};
 }
 
@@ -114,26 +146,30 @@ TBG_HOST_DEVICE GradSums<double> recentre(const GradSums<double>& s, double mean
 // x_scale = -dy_scale * rstd^2 * sum_dy_xc / count, bias = -dy_scale * sum_dy / count;
 // with frozen statistics only dy_scale. A count below 1 (no data, or
 // inconsistent split-stage arguments) leaves x_scale and bias 0.
+template <typename D = double>
 struct BackwardCoefficients {
-  double dy_scale;
-  double x_scale;
-  double bias;
+  D dy_scale;
+  D x_scale;
+  D bias;
 };
 
-TBG_HOST_DEVICE BackwardCoefficients backward_coefficients(double rstd, double gamma, const GradSums<double>& sums,
-                                                           double count, bool training) {
-  const double dy_scale = gamma * rstd;
-  if (!training || !(count >= 1)) return {dy_scale, 0.0, 0.0};
-  return {dy_scale, -dy_scale * rstd * rstd * sums.sum_dy_xc / count, -dy_scale * sums.sum_dy / count};
+template <typename D>
+TBG_HOST_DEVICE BackwardCoefficients<D> backward_coefficients(D rstd, D gamma, const GradSums<D>& sums,
+                                                              double count, bool training) {
+  const D dy_scale = gamma * rstd;
+  if (!training || !(count >= 1)) return {dy_scale, D(0.0), D(0.0)};
+  return {dy_scale, -dy_scale * rstd * rstd * sums.sum_dy_xc / D(count), -dy_scale * sums.sum_dy / D(count)};
 }
 
 // The parameters' gradients: diff_gamma = rstd * sum_dy_xc, diff_beta = sum_dy.
+template <typename D = double>
 struct ParameterGrads {
-  double diff_gamma;
-  double diff_beta;
+  D diff_gamma;
+  D diff_beta;
 };
 
-TBG_HOST_DEVICE ParameterGrads parameter_grads(double rstd, const GradSums<double>& sums) {
+template <typename D>
+TBG_HOST_DEVICE ParameterGrads<D> parameter_grads(D rstd, const GradSums<D>& sums) {
   return {rstd * sums.sum_dy_xc, sums.sum_dy};
 }
 
@@ -150,7 +186,7 @@ struct ChannelAffine {
 };
 
 template <typename A>
-TBG_HOST_DEVICE ChannelAffine<A> channel_affine(double mean, const BackwardCoefficients& c) {
+TBG_HOST_DEVICE ChannelAffine<A> channel_affine(double mean, const BackwardCoefficients<double>& c) {
   const A rounded = static_cast<A>(mean);
   return {rounded, static_cast<A>(c.dy_scale), static_cast<A>(c.x_scale),
           static_cast<A>(c.bias - c.x_scale * (mean - static_cast<double>(rounded)))};
@@ -158,8 +194,8 @@ TBG_HOST_DEVICE ChannelAffine<A> channel_affine(double mean, const BackwardCoeff
 
 // The forward's normalization as an elementwise pass without dy.
 template <typename A>
-TBG_HOST_DEVICE ChannelAffine<A> channel_affine(double mean, const ForwardCoefficients& c) {
-  return channel_affine<A>(mean, BackwardCoefficients{0.0, c.scale, c.shift});
+TBG_HOST_DEVICE ChannelAffine<A> channel_affine(double mean, const ForwardCoefficients<double>& c) {
+  return channel_affine<A>(mean, BackwardCoefficients<double>{0.0, c.scale, c.shift});
 }
 
 // ChannelAffine's fields as per-channel arrays, as the elementwise kernels

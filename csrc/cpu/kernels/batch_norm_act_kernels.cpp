@@ -97,8 +97,7 @@ void backward_impl_act(ActBackwardArgs& a) {
     backward_impl<T>(x, dy, dx, e, mean, nullptr, var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
   } else {
     AffineTable<acc_t> forward(e.channels);
-    for (int64_t k = 0; k < e.channels; ++k)
-      forward.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], a.epsilon, false));
+    forward_affine_table(forward, e, mean, var, gamma, beta, a.epsilon, false);
     InputGate<T, Act> gate;
     gate.forward = forward.arrays();
     gate.r = r;

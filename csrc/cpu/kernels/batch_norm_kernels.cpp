@@ -56,10 +56,10 @@ void batch_moments_impl(const T* x, const Extent& e, double* mean, double* m2) {
   const Reduction red = reduction_for<T>(Blocks(e), e);
   Partials<Moments> parts(e.channels, red.blocks.per_channel());
   for_each_reduction_block(red, [&](const Block& blk) { stats_block(red, x, blk, parts); });
-  for_each_channel_finish(red.blocks, e, [&](int64_t k) {
-    const Moments m = parts.merged(k, {0, 0, 0});
-    mean[k] = m.mean;
-    m2[k] = m.m2;
+  for_each_channel_group(red.blocks, e, [&](const ChannelGroup& g) {
+    const math::Moments<VecD> m = merged(parts, g);
+    g.store(m.mean, mean);
+    g.store(m.m2, m2);
   });
 }
 
@@ -69,13 +69,17 @@ void grad_sums_impl(const T* x, const T* dy, const Extent& e, const double* mean
   using acc_t = at::opmath_type<T>;
   const Reduction red = reduction_for<T>(Blocks(e), e);
   std::vector<acc_t> centre(e.channels);
-  for (int64_t k = 0; k < e.channels; ++k) centre[k] = static_cast<acc_t>(mean[k]);
+  std::vector<double> rounded_centre(e.channels);  // centre, as float64
+  for (int64_t k = 0; k < e.channels; ++k) {
+    centre[k] = static_cast<acc_t>(mean[k]);
+    rounded_centre[k] = static_cast<double>(centre[k]);
+  }
   Partials<GradSums> parts(e.channels, red.blocks.per_channel());
   for_each_reduction_block(red, [&](const Block& blk) { grad_sums_block(red, x, dy, blk, centre.data(), parts); });
-  for_each_channel_finish(red.blocks, e, [&](int64_t k) {
-    const GradSums s = math::recentre(parts.merged(k, {0, 0}), mean[k], static_cast<double>(centre[k]));
-    sum_dy[k] = s.sum_dy;
-    sum_dy_xc[k] = s.sum_dy_xc;
+  for_each_channel_group(red.blocks, e, [&](const ChannelGroup& g) {
+    const math::GradSums<VecD> s = math::recentre(merged(parts, g), g.load(mean), g.load(rounded_centre.data()));
+    g.store(s.sum_dy, sum_dy);
+    g.store(s.sum_dy_xc, sum_dy_xc);
   });
 }
 
@@ -87,7 +91,7 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
   AffineTable<acc_t> co(e.channels);
   for (int64_t k = 0; k < e.channels; ++k) {
     const GradSums s{sums[k], sums[e.channels + k]};
-    const math::BackwardCoefficients c =
+    const math::BackwardCoefficients<double> c =
         math::backward_coefficients(math::rstd_of(var[k], eps), gamma[k], s, count[k], /*training=*/true);
     co.set(k, math::channel_affine<acc_t>(mean[k], c));
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "batch_norm_math.h"
+#include "cpu/kernels/channel_finish.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/partition.h"
 #include "cpu/kernels/plane_kernels.h"
@@ -100,30 +101,6 @@ void affine_after_reduction(const Blocks& b, const T* x, const T* y, T* out, con
   for_each_block(b, e, true, [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); });
 }
 
-// The elementwise pass's per-channel coefficients (math::ChannelAffine) as
-// arrays, of the accumulation type.
-template <typename A>
-struct AffineTable {
-  std::vector<A> mean, dy_scale, x_scale, bias;
-  explicit AffineTable(int64_t channels) : mean(channels), dy_scale(channels), x_scale(channels), bias(channels) {}
-  void set(int64_t k, const math::ChannelAffine<A>& c) {
-    mean[k] = c.mean;
-    dy_scale[k] = c.dy_scale;
-    x_scale[k] = c.x_scale;
-    bias[k] = c.bias;
-  }
-  math::AffineArrays<A> arrays() const { return {mean.data(), dy_scale.data(), x_scale.data(), bias.data()}; }
-};
-
-// The forward's elementwise coefficients; with a residual r (added with
-// weight 1 through the pass's dy operand) dst = scale * (x - mean) + shift + r.
-template <typename A>
-math::ChannelAffine<A> forward_affine(double mean, double var, double gamma, double beta, double eps,
-                                      bool residual) {
-  const math::ForwardCoefficients f = math::forward_coefficients(var, gamma, beta, eps);
-  return math::channel_affine<A>(mean, math::BackwardCoefficients{residual ? 1.0 : 0.0, f.scale, f.shift});
-}
-
 // ---------------------------------------------------------------- operators
 // `r` (may be null) is a residual added before the epilogue's activation.
 template <typename T, typename E = PlainEpilogue<T>>
@@ -136,19 +113,20 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
   AffineTable<acc_t> co(e.channels);
   const math::AffineArrays<acc_t> coefficients = co.arrays();
   auto reduce = [&](const Block& blk) { stats_block(red, x, blk, parts); };
-  auto finish = [&](int64_t k) {
-    const Moments m = parts.merged(k, {0, 0, 0});
-    mean[k] = m.mean;
-    var[k] = math::variance_of(m);
-    co.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], eps, r != nullptr));
+  auto finish = [&](const ChannelGroup& g) {
+    const math::Moments<VecD> m = merged(parts, g);
+    const VecD v = math::variance_of(m);
+    g.store(m.mean, mean);
+    g.store(v, var);
+    set_forward_affine(co, g, m.mean, v, gamma, beta, eps, r != nullptr);
   };
   auto normalize = [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); };
   if (per_channel_strategy(b, e, sizeof(T))) {
-    for_each_channel(b, e, reduce, finish, normalize);
+    for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, normalize);
     return;
   }
   for_each_reduction_block(red, reduce);
-  for_each_channel_finish(red.blocks, e, finish);
+  for_each_channel_group(red.blocks, e, finish);
   affine_after_reduction<T>(b, x, r, y, e, coefficients, ep);
 }
 
@@ -157,8 +135,7 @@ void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const do
                          const double* gamma, const double* beta, double eps, const E& ep = E{}) {
   using acc_t = at::opmath_type<T>;
   AffineTable<acc_t> co(e.channels);
-  for (int64_t k = 0; k < e.channels; ++k)
-    co.set(k, forward_affine<acc_t>(mean[k], var[k], gamma[k], beta[k], eps, r != nullptr));
+  forward_affine_table(co, e, mean, var, gamma, beta, eps, r != nullptr);
   affine_all<T>(Blocks(e), x, r, y, e, co.arrays(), ep);
 }
 
@@ -179,29 +156,34 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   Partials<GradSums> parts(e.channels, red.blocks.per_channel());
   AffineTable<acc_t> co(e.channels);
   // The sums are centred on the rounded centre the elementwise pass subtracts.
-  for (int64_t k = 0; k < e.channels; ++k) co.mean[k] = static_cast<acc_t>(centre[k]);
+  std::vector<double> rounded_centre(e.channels);
+  for (int64_t k = 0; k < e.channels; ++k) {
+    co.mean[k] = static_cast<acc_t>(centre[k]);
+    rounded_centre[k] = static_cast<double>(co.mean[k]);
+  }
   const math::AffineArrays<acc_t> coefficients = co.arrays();
   auto reduce = [&](const Block& blk) { grad_sums_block(red, x, dy, blk, coefficients.mean, parts, ep); };
-  auto finish = [&](int64_t k) {
-    GradSums sums{0, 0};
-    if (need_sums) sums = parts.merged(k, {0, 0});
-    sums = math::recentre(sums, centre[k], static_cast<double>(co.mean[k]));
-    if (unit) sums.sum_dy_xc /= unit[k];
-    const double rstd = math::rstd_of(var[k], eps);
-    math::BackwardCoefficients c = math::backward_coefficients(rstd, gamma[k], sums, count, training);
-    if (unit) c.x_scale /= unit[k];
-    co.set(k, math::channel_affine<acc_t>(centre[k], c));
-    const math::ParameterGrads grads = math::parameter_grads(rstd, sums);
-    if (diff_gamma) diff_gamma[k] = grads.diff_gamma;
-    if (diff_beta) diff_beta[k] = grads.diff_beta;
+  auto finish = [&](const ChannelGroup& g) {
+    math::GradSums<VecD> sums{VecD(0.0), VecD(0.0)};
+    if (need_sums) sums = merged(parts, g);
+    const VecD c_exact = g.load(centre);
+    sums = math::recentre(sums, c_exact, g.load(rounded_centre.data()));
+    if (unit) sums.sum_dy_xc = sums.sum_dy_xc / g.load(unit);
+    const VecD rstd = math::rstd_of(g.load(var), eps);
+    math::BackwardCoefficients<VecD> c = math::backward_coefficients(rstd, g.load(gamma), sums, count, training);
+    if (unit) c.x_scale = c.x_scale / g.load(unit);
+    co.set(g, c_exact, c);
+    const math::ParameterGrads<VecD> grads = math::parameter_grads(rstd, sums);
+    g.store(grads.diff_gamma, diff_gamma);
+    g.store(grads.diff_beta, diff_beta);
   };
   auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
   if (need_sums && dx && per_channel_strategy(b, e, sizeof(T))) {
-    for_each_channel(b, e, reduce, finish, apply);
+    for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
     return;
   }
   if (need_sums) for_each_reduction_block(red, reduce);
-  for_each_channel_finish(red.blocks, e, finish);
+  for_each_channel_group(red.blocks, e, finish);
   if (!dx) return;
   if (need_sums) affine_after_reduction<T>(b, x, dy, dx, e, coefficients, ep);
   else affine_all<T>(b, x, dy, dx, e, coefficients, ep);

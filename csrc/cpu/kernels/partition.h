@@ -17,7 +17,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "batch_norm_math.h"
@@ -239,32 +241,25 @@ void for_each_channel(const Blocks& b, const Extent& e, const Reduce& reduce, co
   });
 }
 
-// Runs finish(k) for every channel k, in parallel when the channels' partials
-// are many (merging a wide layer's partials serially cost a 2048-channel
-// forward a quarter of its time). Channels are independent, so the results
-// do not depend on the schedule.
-template <typename Finish>
-void for_each_channel_finish(const Blocks& b, const Extent& e, const Finish& finish) {
-  constexpr int64_t kSerialPartials = 4096;
-  const int64_t partials = e.channels * b.per_channel();
-  const int64_t grain = partials < kSerialPartials ? e.channels + 1 : std::max<int64_t>(1, e.channels / 64);
-  at::parallel_for(0, e.channels, grain, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) finish(k);
-  });
-}
-
-// Per-block partials of every channel, `per` a channel, in merge order.
+// Per-block partials of every channel, `per` a channel, in merge order. S is
+// a struct of float64 fields (math::Moments, math::GradSums), stored field
+// by field with the channels of a slot adjacent, so that the finish loads a
+// vector of channels' field at once (channel_finish.h).
 template <typename S>
 struct Partials {
-  int64_t per;
-  std::vector<S> slots;
-  Partials(int64_t channels, int64_t per_channel) : per(per_channel), slots(channels * per_channel) {}
-  S& at(int64_t channel, int64_t slot) { return slots[channel * per + slot]; }
-  // A channel's partials merged in order (math::merge), from `empty`.
-  S merged(int64_t channel, S empty) const {
-    for (int64_t i = channel * per; i < (channel + 1) * per; ++i) empty = math::merge(empty, slots[i]);
-    return empty;
+  static constexpr int kFields = static_cast<int>(sizeof(S) / sizeof(double));
+  static_assert(std::is_trivially_copyable_v<S> && sizeof(S) == kFields * sizeof(double));
+  int64_t channels, per;
+  std::vector<double> data;
+  Partials(int64_t channel_count, int64_t per_channel)
+      : channels(channel_count), per(per_channel), data(kFields * channel_count * per_channel) {}
+  void set(int64_t channel, int64_t slot, const S& s) {
+    double fields[kFields];
+    std::memcpy(fields, &s, sizeof s);
+    for (int f = 0; f < kFields; ++f) data[(slot * kFields + f) * channels + channel] = fields[f];
   }
+  // Field f of slot `slot`, every channel.
+  const double* field(int64_t slot, int f) const { return data.data() + (slot * kFields + f) * channels; }
 };
 
 }  // namespace

@@ -263,7 +263,7 @@ struct PlaneKernels {
     const acc_t centre = exact_centre<acc_t>(sum_x / count, first.max_all());
     SquaresPass<G> second(x, centre);
     walk_plane_rows(e, blk, x, nullptr, second);
-    out.at(blk.channel, blk.slot) = math::centred_moments(count, sum_x, centre, second.sums.total(0));
+    out.set(blk.channel, blk.slot, math::centred_moments(count, sum_x, centre, second.sums.total(0)));
   }
 
   // The block's exact sum(dy) and sum(dy * (x - mean)); with an epilogue,
@@ -280,7 +280,7 @@ struct PlaneKernels {
     const int64_t k = blk.channel;
     GradSumsPass<decltype(ep.plane(k)), G> pass(x, dy, mean[k], ep.plane(k));
     walk_plane_rows(e, blk, x, dy, pass);
-    out.at(k, blk.slot) = {pass.sums.total(0), pass.sums.total(1)};
+    out.set(k, blk.slot, {pass.sums.total(0), pass.sums.total(1)});
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be

@@ -92,7 +92,7 @@ struct RowReductions {
     squares_pass(x, e, blk, centre, sd);
     const int64_t k0 = blk.s0 / span;
     for (int64_t i = 0, j = 0; j < nc; ++i, j += span)
-      out.at(k0 + i, blk.slot) = math::centred_moments(count, sum_x[i], centre[j], segment_total(sd, j, span));
+      out.set(k0 + i, blk.slot, math::centred_moments(count, sum_x[i], centre[j], segment_total(sd, j, span)));
   }
 
   // Sum of columns [j, j + n) of `s` in float64, in a fixed order: lanes of
@@ -206,7 +206,7 @@ struct RowReductions {
     else grad_sums_by_chunks(x, dy, e, blk, m, sum_dy, sum_dy_xc, ep);
     const int64_t k0 = c0 / span;  // blocks hold whole segments
     for (int64_t i = 0, j = 0; j < nc; ++i, j += span)
-      out.at(k0 + i, blk.slot) = {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)};
+      out.set(k0 + i, blk.slot, {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)});
   }
 
   // Whether the grad sums walk the block row by row (grad_sums_by_rows): its
