@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -250,16 +251,18 @@ struct Partials {
   static constexpr int kFields = static_cast<int>(sizeof(S) / sizeof(double));
   static_assert(std::is_trivially_copyable_v<S> && sizeof(S) == kFields * sizeof(double));
   int64_t channels, per;
-  std::vector<double> data;
+  std::unique_ptr<double[]> data;  // left uninitialized: every block sets its slots
   Partials(int64_t channel_count, int64_t per_channel)
-      : channels(channel_count), per(per_channel), data(kFields * channel_count * per_channel) {}
+      : channels(channel_count),
+        per(per_channel),
+        data(std::make_unique_for_overwrite<double[]>(kFields * channel_count * per_channel)) {}
   void set(int64_t channel, int64_t slot, const S& s) {
     double fields[kFields];
     std::memcpy(fields, &s, sizeof s);
     for (int f = 0; f < kFields; ++f) data[(slot * kFields + f) * channels + channel] = fields[f];
   }
   // Field f of slot `slot`, every channel.
-  const double* field(int64_t slot, int f) const { return data.data() + (slot * kFields + f) * channels; }
+  const double* field(int64_t slot, int f) const { return data.get() + (slot * kFields + f) * channels; }
 };
 
 }  // namespace
