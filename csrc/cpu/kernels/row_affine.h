@@ -1,6 +1,7 @@
 // The row kernels' elementwise pass: out = dy_scale * y + x_scale * (x - mean)
 // + bias over a block of rows when channels are innermost (inner == 1,
-// partition.h), row by row in memory order.
+// partition.h), row by row in memory order or, on segments of longer rows,
+// four rows per chunk.
 #pragma once
 
 #include <cstdint>
@@ -122,28 +123,43 @@ struct RowAffine {
         default: break;
       }
     }
-    // Every row is walked whole, in memory order (one read and one write
-    // stream), its chunks' coefficients reloaded each row from L1. Four rows
-    // per chunk (coefficients loaded once for four rows) jumped between
-    // lines of four rows, which cost the prefetchers more than the loads it
-    // saved: with it, rows of 4 KB or more took 1.07x-1.6x the time in eval,
-    // 1.03x-1.35x forward and 1.1x-1.4x backward (4096x1024 float32,
-    // channels_last float32 1024-2048 channels; bfloat16 2048x2048 backward
-    // 1.25x; A/B in one process, 2 threads, THP on and off, bitwise equal).
-    for (int64_t o = blk.o0; o < blk.o1; ++o) row(x, y, out, o * C, c0, c1, c, ep, stream);
+    // Whole rows are walked one after the other, in memory order (one read
+    // and one write stream), each chunk's coefficients reloaded every row
+    // from L1: four rows per chunk jumped between lines of four rows, which
+    // cost the prefetchers more than the loads it saved (rows of 4 KB:
+    // 4096x1024 float32 eval 1.07x the time four at a time, in both orders
+    // of an A/B in one process). Segments (a column block of longer rows)
+    // over 1 KB do better four rows per chunk: walked one after the other,
+    // 32x2048x7x7 channels_last float32 forward took 1.2x and backward 1.13x
+    // the time (separate processes alternating, 2 threads).
+    constexpr int64_t kSequentialSegmentBytes = 1024;
+    const bool sequential =
+        c1 - c0 == C || (c1 - c0) * static_cast<int64_t>(sizeof(T)) <= kSequentialSegmentBytes;
+    int64_t o = blk.o0;
+    if (!sequential)
+      for (; o + kAffineRows <= blk.o1; o += kAffineRows) row_group<kAffineRows>(x, y, out, C, o, c0, c1, c, ep, stream);
+    for (; o < blk.o1; ++o) row_group<1>(x, y, out, C, o, c0, c1, c, ep, stream);
   }
 
-  // affine() of channels [c0, c1) of the row starting at offset `row_start`,
-  // chunk by chunk. A function of its own, every operand by value: as a
-  // lambda capturing them by reference (not always inlined) it reloaded
-  // each of them through the closure on every chunk.
-  template <typename E>
-  static void row(const T* x, const T* y, T* out, int64_t row_start, int64_t c0, int64_t c1,
-                  math::AffineArrays<acc_t> c, const E& ep, bool stream) {
+  // Each chunk's coefficients are loaded once for kAffineRows rows of a
+  // segment: with three or four coefficient vectors per data vector, L1
+  // loads, not memory, bounded the single-row loop there.
+  static constexpr int64_t kAffineRows = 4;
+
+  // affine() of channels [c0, c1) of rows [o, o + R), chunk by chunk. A
+  // function of its own, every operand by value: as a lambda capturing them
+  // by reference (not always inlined) it reloaded each of them through the
+  // closure on every chunk.
+  template <int64_t R, typename E>
+  static void row_group(const T* x, const T* y, T* out, int64_t C, int64_t o, int64_t c0, int64_t c1,
+                        math::AffineArrays<acc_t> c, const E& ep, bool stream) {
     int64_t j = c0;
-    for (; j + K <= c1; j += K)
-      affine_chunk(x, y, out, row_start + j, coefficients_at(c, j, y != nullptr), ep.columns(j), ep, stream);
-    affine_scalars(x, y, out, row_start, j, c1, c, ep);
+    for (; j + K <= c1; j += K) {
+      const auto bound = ep.columns(j);
+      const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
+      for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
+    }
+    for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
   }
 
   // One element of affine(), of channel k, at offset i.
