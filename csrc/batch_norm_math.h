@@ -34,7 +34,7 @@
 namespace torch_bn_grad::math {
 
 // The operations on D that are not operators; the CPU kernels specialize it
-// for their vectors (cpu/kernels/channel_lanes.h).
+// for their vectors (cpu/kernels/channel_finish.h).
 template <typename D>
 struct LaneMath {
   TBG_HOST_DEVICE static D sqrt(D x) { return ::sqrt(x); }

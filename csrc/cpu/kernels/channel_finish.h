@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "batch_norm_math.h"
 #include "cpu/kernels/partition.h"
@@ -42,7 +43,6 @@ constexpr int64_t kLanes = VecD::size();
 struct ChannelGroup {
   int64_t k, n;
   VecD load(const double* p) const { return VecD::loadu(p + k, n); }
-  VecD broadcast_or_load(const double* p, double otherwise) const { return p ? load(p) : VecD(otherwise); }
   void store(const VecD& v, double* p) const {
     if (p) v.store(p + k, static_cast<int>(n));
   }
@@ -64,21 +64,16 @@ void for_each_channel_group(const Blocks& b, const Extent& e, const F& f) {
   });
 }
 
-// The group's partials merged in block order (math::merge_nonempty: every
-// block holds data), lane by lane.
-inline math::Moments<VecD> merged(const Partials<math::Moments<double>>& parts, const ChannelGroup& g) {
-  math::Moments<VecD> m{};
+// The group's partials (math::Moments or math::GradSums) merged in block
+// order (math::merge_nonempty: every block holds data), lane by lane.
+template <template <typename...> class S, typename... Double>
+S<VecD> merged(const Partials<S<Double...>>& parts, const ChannelGroup& g) {
+  constexpr int kFields = Partials<S<Double...>>::kFields;
+  S<VecD> m{};
   for (int64_t i = 0; i < parts.per; ++i) {
-    const math::Moments<VecD> s{g.load(parts.field(i, 0)), g.load(parts.field(i, 1)), g.load(parts.field(i, 2))};
-    m = i == 0 ? s : math::merge_nonempty(m, s);
-  }
-  return m;
-}
-
-inline math::GradSums<VecD> merged(const Partials<math::GradSums<double>>& parts, const ChannelGroup& g) {
-  math::GradSums<VecD> m{};
-  for (int64_t i = 0; i < parts.per; ++i) {
-    const math::GradSums<VecD> s{g.load(parts.field(i, 0)), g.load(parts.field(i, 1))};
+    const S<VecD> s = [&]<int... F>(std::integer_sequence<int, F...>) {
+      return S<VecD>{g.load(parts.field(i, F))...};
+    }(std::make_integer_sequence<int, kFields>{});
     m = i == 0 ? s : math::merge_nonempty(m, s);
   }
   return m;

@@ -21,7 +21,6 @@
 #include <memory>
 #include <numeric>
 #include <type_traits>
-#include <vector>
 
 #include "batch_norm_math.h"
 #include "extent.h"
