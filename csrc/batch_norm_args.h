@@ -73,9 +73,6 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
                                 c10::string_view data_format, bool from_output,
                                 const std::optional<at::Tensor>& dst_positive);
 
-// Bytes of the fused forward's sign bits of dst (dst > 0, in the kernel's
-// element order, each line padded to a byte; SignBitsLines).
-inline int64_t sign_bits_bytes(const Extent& e) { return SignBitsLines(e).bytes(); }
 
 // The split-stage operators' arguments (1-D statistics only; per-channel
 // statistics float64 of shape (C,), packed rows (rows, C)), and their plan.

@@ -19,21 +19,8 @@ struct Extent {
 // ceil(a / b) for a >= 0, b > 0.
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The layout of the fused forward's sign bits of dst (cpu/kernels/sign_bits.h):
-// the kernel's element order cut into lines (a plane row of `inner`
-// elements, or a row of `channels` when inner == 1), each line starting on a
-// byte, so that threads writing different lines never share a byte. A line's
-// bits past its end are padding (zero).
-struct SignBitsLines {
-  int64_t line;    // elements of a line
-  int64_t padded;  // bits a line takes, a multiple of 8
-  int64_t lines;
-
-  explicit constexpr SignBitsLines(const Extent& e)
-      : line(e.inner > 1 ? e.inner : e.channels),
-        padded(ceil_div(line, 8) * 8),
-        lines(line > 0 ? e.outer * e.channels * e.inner / line : 0) {}
-  constexpr int64_t bytes() const { return lines * padded / 8; }
-};
+// Bytes of the fused forward's sign bits of dst (cpu/kernels/sign_bits.h):
+// one bit an element, in the kernel's element order, eight to a byte.
+constexpr int64_t sign_bits_bytes(const Extent& e) { return ceil_div(e.outer * e.channels * e.inner, 8); }
 
 }  // namespace torch_bn_grad

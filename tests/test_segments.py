@@ -8,7 +8,7 @@ Every case below takes that path: several column blocks with a partial last
 one, segments shorter than a vector with the rows' scalar tail running across
 channels, several row blocks merged, 1-D and 3-D data, and the fused
 operators' backward, whose gates either accept such chunks (the output, the
-memory-saving mode, the sign bits of padded lines) or keep the plane kernels
+memory-saving mode, the sign bits of 7x7 planes) or keep the plane kernels
 (silu's recomputed input). Each ISA copy runs in its own process, against float64 autograd of
 the unfused composition, and the results must be bitwise equal at one and at
 two threads.
@@ -34,8 +34,8 @@ cases = [((32, 301, 7, 7), torch.float32, None, False, False),   # 15 column blo
          ((32, 40, 7, 7), torch.float32, "leaky_relu", True, False),
          ((32, 40, 7, 7), torch.float32, "identity", True, True),
          ((32, 40, 7, 7), torch.float32, "silu", False, True),
-         # 4 MB or more: the forward writes sign bits of its padded 7x7 lines,
-         # which the backward's chunks read across lines
+         # 4 MB or more: the forward writes sign bits of its 7x7 planes, which
+         # the backward's chunks read across planes
          ((32, 700, 7, 7), torch.float32, "relu", False, True),
          ((32, 1400, 7, 7), torch.bfloat16, "leaky_relu", False, False)]
 

@@ -22,16 +22,18 @@ FORWARD = torch.ops.torch_bn_grad.batch_norm_act_forward.default
 
 # Layouts where the forward writes the bits (float32 and half precision, every
 # ISA): lines (plane rows, or rows of channels) of a multiple of 8 elements,
-# rows of one chunk or less, partial last chunks, scalar tails, and planes of
-# other sizes (21x21: each padded to a byte) in tensors of 4 MB or more...
-PADDED = ((4, 1200, 21, 21), False)
+# rows of one chunk or less, partial last chunks, scalar tails, and short
+# planes of other sizes in tensors of 4 MB or more, whose lines share bytes
+# (21x21, 14x14: threads take units of 8 or 2 planes; 6005 planes of 21x21,
+# the last unit cut short)...
+UNALIGNED = [((5, 1201, 21, 21), False), ((32, 400, 14, 14), False)]
 FIT = [
     ((2, 24, 28, 28), False), ((1, 2, 256, 256), False), ((5, 40), False), ((600, 24), False), ((3, 20, 200), False),
-    ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((3, 1104, 2, 2), True), PADDED,
+    ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((3, 1104, 2, 2), True), *UNALIGNED,
 ]
 # ... and where it returns no bits: rows of channels not a multiple of 8,
-# padded planes in smaller tensors (where reading dst is faster), planes split
-# into blocks of a width that is not a multiple of 8.
+# planes that are not a multiple of 8 in smaller tensors (where reading dst is
+# faster) or walked block by block (150x150: lines share bytes across threads).
 NO_FIT = [((3, 13, 5, 5), True), ((2, 20, 3, 3, 3), True), ((40, 21), False), ((4, 16, 7, 7), False),
           ((4, 16, 14, 14), False), ((3, 13, 5, 5), False), ((2, 3, 150, 150), False)]
 SHAPES = FIT + NO_FIT
@@ -46,11 +48,8 @@ def _kernel_lines(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 
 def _packed(y: torch.Tensor, channels_last: bool) -> np.ndarray:
-    """The reference bits: y > 0, each line padded with zeros to a byte."""
-    lines = (_kernel_lines(y, channels_last) > 0).numpy()
-    padded = np.zeros((lines.shape[0], -(-lines.shape[1] // 8) * 8), dtype=bool)
-    padded[:, :lines.shape[1]] = lines
-    return np.packbits(padded.reshape(-1), bitorder="little")
+    """The reference bits: y > 0, one bit an element in the kernels' order (the last byte padded with zeros)."""
+    return np.packbits((_kernel_lines(y, channels_last) > 0).numpy().reshape(-1), bitorder="little")
 
 
 def _case(shape, channels_last, dtype, seed=0):
@@ -115,9 +114,7 @@ g = torch.Generator().manual_seed(0)
 ok = []
 def packed(y, cl):
     lines = (y.movedim(1, -1).reshape(-1, y.shape[1]) if cl or y.dim() == 2 else y.reshape(-1, y[0, 0].numel())) > 0
-    padded = np.zeros((lines.shape[0], -(-lines.shape[1] // 8) * 8), dtype=bool)
-    padded[:, :lines.shape[1]] = lines.numpy()
-    return np.packbits(padded.reshape(-1), bitorder="little")
+    return np.packbits(lines.numpy().reshape(-1), bitorder="little")
 for shape, cl in [((2, 24, 28, 28), False), ((4, 16, 7, 7), True), ((8, 64, 4, 4), True), ((300, 40), False),
                   ((4, 1200, 21, 21), False)]:
     for dt in (torch.float32, torch.bfloat16, torch.float64):
@@ -162,8 +159,8 @@ def _saved_tensors(fn):
     ("relu", False, (4, 8, 6, 6), True, True), ("leaky_relu", False, (4, 8, 6, 6), True, True),
     ("relu", False, (4, 6, 6, 6), True, False),  # rows of 6 channels: not a multiple of 8
     ("relu", False, (4, 6, 6, 6), False, False),  # planes of 36 in a small tensor
-    ("relu", False, (2, 1200, 21, 21), False, True),  # planes of 441, padded (4.2 MB)
-    ("relu", False, (1, 2, 150, 150), False, False),  # blocks 11250 wide: not on a byte
+    ("relu", False, (2, 1200, 21, 21), False, True),  # short planes of 441 (4.2 MB)
+    ("relu", False, (1, 2, 150, 150), False, False),  # planes of 22500, walked block by block
     ("silu", False, (4, 8, 6, 6), True, False), ("identity", False, (4, 8, 6, 6), True, False),
     ("leaky_relu", True, (4, 8, 6, 6), True, False),
 ])

@@ -121,7 +121,7 @@ def _batch_norm_act_forward_sign_bits_fake(src, gamma, beta, mean, variance, res
                                            negative_slope, data_format):
     dst, mean_out, variance_out = _batch_norm_act_forward_fake(
         src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, False)
-    # One bit an element, each line of the kernel's order padded to a byte, or
+    # One bit an element in the kernel's order, eight to a byte, or
     # none where the kernels cannot write the bits (a layout and ISA matter):
     # a size known only when the kernel runs.
     size = torch.library.get_ctx().new_dynamic_size()

@@ -69,7 +69,6 @@ struct ForwardAct : PlainEpilogue<T> {
   static constexpr int P = IO::kParts;
   acc_t slope;
   uint8_t* positive = nullptr;  // sign bits, in layouts where sign_bits_fit<T>
-  BitIndex bit;
   void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
   acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
   void stored(const T*, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
@@ -77,18 +76,18 @@ struct ForwardAct : PlainEpilogue<T> {
     if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
       if (!positive) return;
       if constexpr (P == 1) {
-        write_bits<K>(positive, bit(off), chunk_positive_bits<T>(v), static_cast<int>(lanes));
+        write_bits<K>(positive, off, chunk_positive_bits<T>(v), static_cast<int>(lanes));
       } else {
         // The stored values, rounded in registers as the store rounded them:
         // reading them back would stall on a streaming store (partition.h).
         Vec rounded[P];
         std::tie(rounded[0], rounded[1]) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v[0], v[1]));
-        write_bits<K>(positive, bit(off), chunk_positive_bits<T>(rounded), static_cast<int>(lanes));
+        write_bits<K>(positive, off, chunk_positive_bits<T>(rounded), static_cast<int>(lanes));
       }
     }
   }
   void scalar_stored(int64_t i, T value) const {
-    if (positive) write_bit(positive, bit(i), static_cast<acc_t>(value) > acc_t(0));
+    if (positive) write_bit(positive, i, static_cast<acc_t>(value) > acc_t(0));
   }
 };
 
@@ -121,22 +120,21 @@ struct SignBitsGate : DzOut<T> {
   static constexpr int64_t W = Vec::size(), K = DzOut<T>::K;
   const uint8_t* positive = nullptr;
   int64_t bytes = 0;
-  BitIndex bit;
   acc_t positive_grad = 1, other_grad = 0;
 
-  // Chunks may run across lines (segment reductions): read_element_bits.
+  // Bit i is element i: chunks may run across lines (segment reductions).
   static constexpr bool kSegmentChunks = true;
 
   void apply(int64_t off, int64_t lanes, Vec (&)[P], Vec (&d)[P]) const {
     // A partial chunk's other lanes read as 0 and meet zero-filled dy lanes.
-    const uint32_t bits = read_element_bits(positive, bytes, bit, off, static_cast<int>(lanes));
+    const uint32_t bits = read_bits(positive, bytes, off, static_cast<int>(lanes));
     for (int q = 0; q < P; ++q)
       d[q] = d[q] * select_bits(bits >> (q * W), Vec(positive_grad), Vec(other_grad));
   }
   const SignBitsGate& plane(int64_t) const { return *this; }
   const SignBitsGate& columns(int64_t) const { return *this; }
   void scalar(int64_t i, int64_t, acc_t&, acc_t& d) const {
-    d *= read_bit(positive, bit(i)) ? positive_grad : other_grad;
+    d *= read_bit(positive, i) ? positive_grad : other_grad;
   }
 };
 

@@ -39,10 +39,7 @@ void forward_impl(ActForwardArgs& a) {
   const T* x = a.src.const_data_ptr<T>();
   const T* r = data_or_null<T>(a.residual);
   T* y = a.dst.mutable_data_ptr<T>();
-  if (a.dst_positive.defined()) {
-    ep.positive = a.dst_positive.mutable_data_ptr<uint8_t>();
-    ep.bit = BitIndex(a.extent);
-  }
+  if (a.dst_positive.defined()) ep.positive = a.dst_positive.mutable_data_ptr<uint8_t>();
   if (a.batch) {
     forward_batch_impl<T>(x, r, y, a.extent, a.gamma, a.beta, a.epsilon, a.mean, a.var, ep);
   } else {
@@ -82,7 +79,6 @@ void backward_impl_act(ActBackwardArgs& a) {
         SignBitsGate<T, Act> gate;
         gate.positive = a.dst_positive.const_data_ptr<uint8_t>();
         gate.bytes = a.dst_positive.numel();
-        gate.bit = BitIndex(a.extent);
         gate.positive_grad = Act::template grad_from_output<act::ScalarOps>(acc_t(1), slope);
         gate.other_grad = Act::template grad_from_output<act::ScalarOps>(acc_t(-1), slope);
         gate.dz = dz;

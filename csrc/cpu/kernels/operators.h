@@ -7,7 +7,9 @@
 
 #include <ATen/OpMathType.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "batch_norm_math.h"
@@ -81,9 +83,13 @@ void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e
     });
     return;
   }
+  // Threads take runs of whole units of planes, each starting on a byte of
+  // the forward's sign bits (sign_bits.h): 8 / gcd(inner, 8) planes.
   const int64_t planes = e.outer * e.channels;
-  at::parallel_for(0, planes, grain_for(e, planes), [&](int64_t p0, int64_t p1) {
-    PlaneKernels<T>::affine_planes(x, y, out, e, p0, p1, c, ep);
+  const int64_t unit = 8 / std::gcd<int64_t>(e.inner, 8);
+  const int64_t units = ceil_div(planes, unit);
+  at::parallel_for(0, units, grain_for(e, units), [&](int64_t u0, int64_t u1) {
+    PlaneKernels<T>::affine_planes(x, y, out, e, u0 * unit, std::min(planes, u1 * unit), c, ep);
   });
 }
 

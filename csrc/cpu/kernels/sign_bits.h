@@ -1,14 +1,16 @@
 // The sign bits of the fused relu / leaky_relu forward: one bit an element,
 // dst > 0, in the kernel's [outer, channels, inner] order, eight to a byte,
-// least significant bit first, each line (a plane row, or a row of channels)
-// starting on a byte (SignBitsLines in extent.h; BitIndex maps an element to
-// its bit). The backward reads act'(z) from them instead of from dst: 1/32 of
-// a float32 stream (1/16 of a half-precision one) instead of a whole one, in
-// each of its two passes.
+// least significant bit first (bit i is element i; sign_bits_bytes in
+// extent.h). The backward reads act'(z) from them instead of from dst: 1/32
+// of a float32 stream (1/16 of a half-precision one) instead of a whole one,
+// in each of its two passes.
 //
-// The forward writes them in its elementwise pass, where every block row
-// starts on a byte (sign_bits_fit); elsewhere the backward reads dst.
+// The forward writes them in its elementwise pass, each thread its elements
+// in order, from a byte boundary on (sign_bits_fit); elsewhere the backward
+// reads dst.
 #pragma once
+
+#include <c10/macros/Macros.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -16,7 +18,6 @@
 #include <type_traits>
 
 #include "cpu/kernels/partition.h"
-#include "extent.h"
 #include "cpu/kernels/vec_io.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -76,7 +77,7 @@ inline Vectorized<A> select_bits(uint32_t bits, const Vectorized<A>& set, const 
 // The n (<= 32) bits of elements [i, i + n) of a packed array of `bytes`
 // bytes; any i. (Copies of constant size: the compiler makes them plain
 // loads and stores, where a variable size would call memcpy.)
-inline uint32_t read_bits(const uint8_t* packed, int64_t bytes, int64_t i, int n) {
+C10_ALWAYS_INLINE uint32_t read_bits(const uint8_t* packed, int64_t bytes, int64_t i, int n) {
   const int64_t first = i >> 3;
   uint64_t word = 0;
   if (first + 8 <= bytes) {
@@ -88,77 +89,27 @@ inline uint32_t read_bits(const uint8_t* packed, int64_t bytes, int64_t i, int n
   return static_cast<uint32_t>(word & ((uint64_t(1) << n) - 1));
 }
 
-// Writes the n (<= 32) bits of elements [i, i + n), i a multiple of 8: whole
-// bytes, the last one's bits past n cleared (they belong to no element, or to
-// elements the same thread writes after them).
+// Writes the n (<= kMaxBits <= 32) bits of elements [i, i + n): the bits of
+// [i & ~7, i), in the same byte, were written before by the same thread and
+// are kept; the last byte's bits past i + n are cleared (they belong to no
+// element, or to elements the same thread writes next). Only the bytes
+// holding [i, i + n) are written, so a thread whose elements start on a byte
+// shares none with another.
 template <int kMaxBits>
-inline void write_bits(uint8_t* packed, int64_t i, uint32_t bits, int n) {
+C10_ALWAYS_INLINE void write_bits(uint8_t* packed, int64_t i, uint32_t bits, int n) {
   static_assert(kMaxBits % 8 == 0 && kMaxBits <= 32);
   uint8_t* p = packed + (i >> 3);
-  if (n == kMaxBits) {
-    std::memcpy(p, &bits, kMaxBits / 8);
-    return;
-  }
-  bits &= (1u << n) - 1;
-  for (int b = 0; b < (n + 7) / 8; ++b) p[b] = static_cast<uint8_t>(bits >> (8 * b));
+  const int shift = static_cast<int>(i & 7);
+  const uint64_t kept = shift ? p[0] & ((1u << shift) - 1) : 0;
+  const uint64_t word = ((static_cast<uint64_t>(bits) & ((uint64_t(1) << n) - 1)) << shift) | kept;
+  const int bytes = (shift + n + 7) / 8;
+  // Copies of constant size: the compiler makes them plain stores.
+  if (bytes == kMaxBits / 8) std::memcpy(p, &word, kMaxBits / 8);
+  else if (bytes == kMaxBits / 8 + 1) std::memcpy(p, &word, kMaxBits / 8 + 1);
+  else for (int b = 0; b < bytes; ++b) p[b] = static_cast<uint8_t>(word >> (8 * b));
 }
-
-// The bit of element i (kernel order) in the padded layout of SignBitsLines.
-// Lines of a multiple of 8 elements need no padding: the bit is i. Otherwise
-// i / line comes from a float64 product, exact after one correction step
-// (i < 2^53), where a 64-bit division would cost every chunk tens of cycles.
-struct BitIndex {
-  int64_t line = 1, padded = 1;
-  double inverse = 1.0;
-  bool identity = true;
-
-  BitIndex() = default;
-  explicit BitIndex(const Extent& e) {
-    const SignBitsLines lines(e);
-    line = std::max<int64_t>(lines.line, 1);
-    padded = std::max<int64_t>(lines.padded, 1);
-    inverse = 1.0 / static_cast<double>(line);
-    identity = line == padded;
-  }
-  // Element i's line q and its place r in it.
-  struct Place {
-    int64_t q, r;
-  };
-  Place place(int64_t i) const {
-    int64_t q = static_cast<int64_t>(static_cast<double>(i) * inverse);
-    int64_t r = i - q * line;
-    if (r < 0) {
-      --q;
-      r += line;
-    } else if (r >= line) {
-      ++q;
-      r -= line;
-    }
-    return {q, r};
-  }
-  int64_t operator()(int64_t i) const {
-    if (identity) return i;
-    const Place p = place(i);
-    return p.q * padded + p.r;
-  }
-};
 
 inline bool read_bit(const uint8_t* packed, int64_t i) { return (packed[i >> 3] >> (i & 7)) & 1u; }
-
-// The n (<= 32) bits of elements [i, i + n) in the padded layout of `bit`,
-// the elements possibly running across lines (a segment reduction's chunks,
-// partition.h): one read per line they touch.
-inline uint32_t read_element_bits(const uint8_t* packed, int64_t bytes, const BitIndex& bit, int64_t i, int n) {
-  if (bit.identity) return read_bits(packed, bytes, i, n);
-  BitIndex::Place p = bit.place(i);
-  uint32_t bits = 0;
-  for (int got = 0; got < n; ++p.q, p.r = 0) {
-    const int take = static_cast<int>(std::min<int64_t>(n - got, bit.line - p.r));
-    bits |= read_bits(packed, bytes, p.q * bit.padded + p.r, take) << got;
-    got += take;
-  }
-  return bits;
-}
 
 // Sets bit i to `on`. The first bit of a byte clears the others (a line's
 // elements are written in order, so its padding ends up zero); later bits
@@ -179,15 +130,15 @@ inline uint32_t chunk_positive_bits(const typename Io<T>::Vec (&v)[Io<T>::kParts
 }
 
 // Whether the elementwise pass writes the bits of type-T data in layout `e`:
-// chunks of whole bytes (write_bits), and every block row starting on a
-// byte, so that no byte is shared by two threads. Lines start on a byte; a
-// block row starts at its line's start, or (planes wider than a block, rows
-// of more than kColumnBlock channels) a multiple of the block width into it.
-// Rows need a multiple of 8 channels besides: the row kernels take a row's
-// last channels one by one, and mapping each of those to a padded bit cost
-// a 60-channel layer twice its backward. Padded planes (7x7, 14x14) only pay
-// on large tensors: 16x2048x7x7 float32 backward 0.66x the time reading
-// bits, forward 1.13x; at 8x1024x7x7, in cache, both were slower.
+// chunks of whole bytes (write_bits), each thread's elements starting on a
+// byte. Lines (plane rows, or rows of channels) of a multiple of 8 elements
+// start on a byte; so does a block row, at its line's start or (planes wider
+// than a block, rows of more than kColumnBlock channels) a multiple of the
+// block width into it. Other planes (7x7, 14x14) only where the pass walks
+// them in memory order (short_planes; affine_all gives threads whole bytes),
+// and only on large tensors: 16x2048x7x7 float32 backward 0.66x the time
+// reading bits, forward 1.13x; at 8x1024x7x7, in cache, both were slower.
+// Rows need a multiple of 8 channels: blocks of rows end mid-byte otherwise.
 template <typename T>
 bool sign_bits_fit(const Extent& e) {
   constexpr int64_t K = Io<T>::kChunk;
@@ -195,11 +146,10 @@ bool sign_bits_fit(const Extent& e) {
     return false;
   } else {
     const Blocks b(e);
-    if (!b.planes && e.channels % 8 != 0) return false;
-    const SignBitsLines lines(e);
+    const int64_t line = b.planes ? e.inner : e.channels;
+    if (line % 8 == 0) return b.n_span == 1 || b.span_step % 8 == 0;
     const int64_t bytes = e.outer * e.channels * e.inner * static_cast<int64_t>(sizeof(T));
-    if (lines.padded != lines.line && bytes < kLargeTensorBytes) return false;
-    return b.n_span == 1 || b.span_step % 8 == 0;
+    return b.planes && short_planes(b, e, sizeof(T)) && bytes >= kLargeTensorBytes;
   }
 }
 
