@@ -25,10 +25,15 @@
 #include <cmath>
 #include <cstdint>
 
+// Always inlined, on the host as on the device: the CPU kernels call the
+// activation formulas (activation_math.h) once a chunk, and GCC left some
+// out of line, which spilled the kernels' vector accumulators on each call.
 #if defined(__CUDACC__)
 #define TBG_HOST_DEVICE __host__ __device__ __forceinline__
+#elif defined(_MSC_VER)
+#define TBG_HOST_DEVICE __forceinline
 #else
-#define TBG_HOST_DEVICE inline
+#define TBG_HOST_DEVICE inline __attribute__((always_inline))
 #endif
 
 namespace torch_bn_grad::math {

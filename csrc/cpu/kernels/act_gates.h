@@ -12,6 +12,8 @@
 // * InputGate: from z recomputed as scale * (x - mean) + shift + r (silu).
 #pragma once
 
+#include <c10/macros/Macros.h>
+
 #include <cstdint>
 
 #include "activation_math.h"
@@ -24,14 +26,19 @@ namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {  // internal linkage: see vec_io.h
 
+// The per-chunk hooks are always inlined (as are activation_math.h's
+// formulas): called out of line, each call made the block kernels spill and
+// reload their vector accumulators (every vector register is caller-saved),
+// and GCC left OutputGate::apply and Relu::grad_from_output out of line.
+
 // activation_math.h's Ops on at::vec vectors.
 struct VecOps {
   template <typename V>
-  static V select_positive(const V& c, const V& a, const V& b) {
+  C10_ALWAYS_INLINE static V select_positive(const V& c, const V& a, const V& b) {
     return V::blendv(b, a, c > V(0));
   }
   template <typename V>
-  static V exp(const V& v) {
+  C10_ALWAYS_INLINE static V exp(const V& v) {
     return v.exp();
   }
 };
@@ -48,11 +55,11 @@ struct GateBase {
   // (epilogue.h); the other gates say so themselves.
   static constexpr bool kSegmentChunks = false;
 
-  static void load(const T* p, int64_t off, int64_t lanes, Vec (&v)[P]) {
+  C10_ALWAYS_INLINE static void load(const T* p, int64_t off, int64_t lanes, Vec (&v)[P]) {
     if (lanes == K) IO::load(p + off, v);
     else IO::load_partial(p + off, lanes, v);
   }
-  static void store(T* p, int64_t off, int64_t lanes, const Vec (&v)[P]) {
+  C10_ALWAYS_INLINE static void store(T* p, int64_t off, int64_t lanes, const Vec (&v)[P]) {
     if (lanes == K) IO::store(p + off, v);
     else IO::store_partial(p + off, lanes, v);
   }
@@ -69,9 +76,9 @@ struct ForwardAct : PlainEpilogue<T> {
   static constexpr int P = IO::kParts;
   acc_t slope;
   uint8_t* positive = nullptr;  // sign bits, in layouts where sign_bits_fit<T>
-  void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
+  C10_ALWAYS_INLINE void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
   acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
-  void stored(const T*, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
+  C10_ALWAYS_INLINE void stored(const T*, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     constexpr int64_t K = IO::kChunk;
     if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
       if (!positive) return;
@@ -102,7 +109,7 @@ struct DzOut : GateBase<T> {
   acc_t scalar_post(acc_t v) const { return v; }
   void stored(const T*, int64_t, int64_t, const Vec (&)[P]) const {}
   void scalar_stored(int64_t, T) const {}
-  void store_dz(int64_t off, int64_t lanes, const Vec (&v)[P]) const {
+  C10_ALWAYS_INLINE void store_dz(int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     if (dz) this->store(dz, off, lanes, v);
   }
   void scalar_store_dz(int64_t i, acc_t d) const {
@@ -125,7 +132,7 @@ struct SignBitsGate : DzOut<T> {
   // Bit i is element i: chunks may run across lines (segment reductions).
   static constexpr bool kSegmentChunks = true;
 
-  void apply(int64_t off, int64_t lanes, Vec (&)[P], Vec (&d)[P]) const {
+  C10_ALWAYS_INLINE void apply(int64_t off, int64_t lanes, Vec (&)[P], Vec (&d)[P]) const {
     // A partial chunk's other lanes read as 0 and meet zero-filled dy lanes.
     const uint32_t bits = read_bits(positive, bytes, off, static_cast<int>(lanes));
     for (int q = 0; q < P; ++q)
@@ -151,7 +158,7 @@ struct OutputGate : DzOut<T> {
   acc_t slope = 0;
   static constexpr bool kSegmentChunks = true;
 
-  void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
+  C10_ALWAYS_INLINE void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
     if constexpr (!Act::kNeedsGate && !kFromOutput) return;
     Vec g[P], rv[P];
     if constexpr (kFromOutput) {
@@ -198,7 +205,7 @@ struct InputGate : DzOut<T> {
   struct Bound {
     const InputGate& gate;
     Vec mean[P], scale[P], shift[P];
-    void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
+    C10_ALWAYS_INLINE void apply(int64_t off, int64_t lanes, Vec (&x)[P], Vec (&d)[P]) const {
       Vec rv[P];
       if (gate.r) gate.load(gate.r, off, lanes, rv);
       for (int q = 0; q < P; ++q) {
