@@ -73,7 +73,6 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
                                 c10::string_view data_format, bool from_output,
                                 const std::optional<at::Tensor>& dst_positive);
 
-
 // The split-stage operators' arguments (1-D statistics only; per-channel
 // statistics float64 of shape (C,), packed rows (rows, C)), and their plan.
 ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format);

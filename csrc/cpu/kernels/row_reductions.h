@@ -106,8 +106,8 @@ struct RowReductions {
     // Full groups: a loop of constant count, which the compiler vectorizes
     // (a variable one stayed scalar: 8% of a fused 16x2048x7x7 forward).
     for (; i + D <= n; i += D)
-      for (int64_t l = 0; l < D; ++l) lanes[l] += static_cast<double>(s.sum[j + i + l]) + static_cast<double>(s.err[j + i + l]);
-    for (int64_t l = 0; l < n - i; ++l) lanes[l] += static_cast<double>(s.sum[j + i + l]) + static_cast<double>(s.err[j + i + l]);
+      for (int64_t l = 0; l < D; ++l) lanes[l] += s.value(j + i + l);
+    for (int64_t l = 0; l < n - i; ++l) lanes[l] += s.value(j + i + l);
     for (int64_t half = D / 2; half >= 1; half /= 2)
       for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
     return lanes[0];
