@@ -64,6 +64,13 @@ void for_each_channel_group(const Blocks& b, const Extent& e, const F& f) {
   });
 }
 
+// Runs f(ChannelGroup) on channels [k0, k1) in groups of kLanes, on the
+// calling thread.
+template <typename F>
+void for_each_group_in(int64_t k0, int64_t k1, const F& f) {
+  for (int64_t k = k0; k < k1; k += kLanes) f(ChannelGroup{k, std::min(kLanes, k1 - k)});
+}
+
 // The group's partials (math::Moments or math::GradSums) merged in block
 // order (math::merge_nonempty: every block holds data), lane by lane.
 template <template <typename...> class S, typename... Double>

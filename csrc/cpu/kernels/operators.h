@@ -184,6 +184,12 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     g.store(grads.diff_beta, diff_beta);
   };
   auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
+  if (const int64_t run = need_sums && dx ? channel_run_channels(b, e, sizeof(T), 2) : 0) {
+    for_each_channel_run(
+        b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
+        [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, dy, dx, e, k0, k1, coefficients, ep); });
+    return;
+  }
   if (need_sums && dx && per_channel_strategy(b, e, sizeof(T))) {
     for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
     return;

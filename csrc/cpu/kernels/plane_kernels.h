@@ -326,6 +326,21 @@ struct PlaneKernels {
     if (stream) stream_fence();
   }
 
+  // affine() over channels [k0, k1) of every outer row, row by row: a
+  // channel run (partition.h, for_each_channel_run) whose inputs the
+  // thread has just reduced, walked as one stream a row.
+  template <typename E = PlainEpilogue<T>>
+  static void affine_channel_run(const T* x, const T* y, T* out, const Extent& e, int64_t k0, int64_t k1,
+                                 const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
+    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
+    for (int64_t o = 0; o < e.outer; ++o)
+      for (int64_t k = k0; k < k1; ++k) {
+        const ChannelAffine<E> ca(c, k, y != nullptr, ep);
+        ca.row(x, y, out, (o * e.channels + k) * e.inner, e.inner, ep, stream);
+      }
+    if (stream) stream_fence();
+  }
+
   // One channel's coefficients as vectors, and the elementwise pass over
   // n contiguous elements of it.
   template <typename E>
