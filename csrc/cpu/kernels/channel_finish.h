@@ -48,6 +48,13 @@ struct ChannelGroup {
   }
 };
 
+// Runs f(ChannelGroup) on channels [k0, k1) in groups of kLanes, on the
+// calling thread.
+template <typename F>
+void for_each_group_in(int64_t k0, int64_t k1, const F& f) {
+  for (int64_t k = k0; k < k1; k += kLanes) f(ChannelGroup{k, std::min(kLanes, k1 - k)});
+}
+
 // Runs f(ChannelGroup) on every group of kLanes channels (the last one
 // shorter), in parallel when the channels' partials are many (merging a
 // wide layer's partials serially cost a 2048-channel forward a quarter of
@@ -60,15 +67,8 @@ void for_each_channel_group(const Blocks& b, const Extent& e, const F& f) {
   const int64_t partials = e.channels * b.per_channel();
   const int64_t grain = partials < kSerialPartials ? groups + 1 : std::max<int64_t>(1, groups / 64);
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) f(ChannelGroup{g * kLanes, std::min(kLanes, e.channels - g * kLanes)});
+    for_each_group_in(g0 * kLanes, std::min(e.channels, g1 * kLanes), f);
   });
-}
-
-// Runs f(ChannelGroup) on channels [k0, k1) in groups of kLanes, on the
-// calling thread.
-template <typename F>
-void for_each_group_in(int64_t k0, int64_t k1, const F& f) {
-  for (int64_t k = k0; k < k1; k += kLanes) f(ChannelGroup{k, std::min(kLanes, k1 - k)});
 }
 
 // The group's partials (math::Moments or math::GradSums) merged in block

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <vector>
 
 #include "batch_norm_math.h"
@@ -84,9 +83,9 @@ void affine_all(const Blocks& b, const T* x, const T* y, T* out, const Extent& e
     return;
   }
   // Threads take runs of whole units of planes, each starting on a byte of
-  // the forward's sign bits (sign_bits.h): 8 / gcd(inner, 8) planes.
+  // the forward's sign bits.
   const int64_t planes = e.outer * e.channels;
-  const int64_t unit = 8 / std::gcd<int64_t>(e.inner, 8);
+  const int64_t unit = planes_per_bits_unit(e.inner);
   const int64_t units = ceil_div(planes, unit);
   at::parallel_for(0, units, grain_for(e, units), [&](int64_t u0, int64_t u1) {
     PlaneKernels<T>::affine_planes(x, y, out, e, u0 * unit, std::min(planes, u1 * unit), c, ep);
@@ -184,15 +183,17 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     g.store(grads.diff_beta, diff_beta);
   };
   auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
-  if (const int64_t run = need_sums && dx ? channel_run_channels(b, e, sizeof(T), 2) : 0) {
-    for_each_channel_run(
-        b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-        [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, dy, dx, e, k0, k1, coefficients, ep); });
-    return;
-  }
-  if (need_sums && dx && per_channel_strategy(b, e, sizeof(T))) {
-    for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
-    return;
+  if (need_sums && dx) {
+    if (const int64_t run = channel_run_channels(b, e, sizeof(T), 2)) {
+      for_each_channel_run(
+          b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
+          [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, dy, dx, e, k0, k1, coefficients, ep); });
+      return;
+    }
+    if (per_channel_strategy(b, e, sizeof(T))) {
+      for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
+      return;
+    }
   }
   if (need_sums) for_each_reduction_block(red, reduce);
   for_each_channel_group(red.blocks, e, finish);

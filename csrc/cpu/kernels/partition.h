@@ -153,6 +153,12 @@ void for_each_block(const Blocks& b, const Extent& e, bool reverse, const F& f) 
   });
 }
 
+// Planes of `inner` elements a thread takes at least (and in multiples of)
+// when it walks whole planes of the elementwise pass, so that its elements
+// start on a byte of the fused forward's sign bits (sign_bits.h): the fewest
+// planes whose elements are a multiple of 8, 8 / gcd(inner, 8).
+inline int64_t planes_per_bits_unit(int64_t inner) { return 8 / std::gcd<int64_t>(inner, 8); }
+
 // A tensor of this size or more is taken not to stay in the caches between
 // an operator's passes (measured here: 1 MB of L2 a core, 32 MB of L3).
 constexpr int64_t kLargeTensorBytes = int64_t{4} << 20;
@@ -245,9 +251,9 @@ void for_each_channel(const Blocks& b, const Extent& e, const Reduce& reduce, co
 // (short_planes) and reduced as planes: it reduces their blocks, finishes
 // them, and runs their elementwise pass over each outer row's run of
 // channels while their `inputs` operands are still in its L2 (the
-// whole-array pass in memory order reads them from memory a second time). About kRunBytes of input a
-// run, in units of 8 / gcd(inner, 8) channels, so that each row of a run
-// starts on a byte of the fused forward's sign bits (sign_bits.h); 0 when
+// whole-array pass in memory order reads them from memory a second time).
+// About kRunBytes of input a run, in units of planes_per_bits_unit channels,
+// so that each row of a run starts on a byte of the sign bits; 0 when
 // the runs do not apply: planes reduced as segments, a channel count that is
 // no multiple of the unit, or a pass whose operands (inputs and output) fit
 // in the L3 (32 MB here), where the memory-order pass reads them from it.
@@ -261,7 +267,7 @@ inline int64_t channel_run_channels(const Blocks& b, const Extent& e, size_t ele
   if (!short_planes(b, e, element_bytes) || reduces_as_segments(b, e, element_bytes)) return 0;
   const int64_t channel_bytes = e.outer * e.inner * static_cast<int64_t>(element_bytes);
   if ((inputs + 1) * e.channels * channel_bytes < kRunPassBytes) return 0;
-  const int64_t unit = 8 / std::gcd<int64_t>(e.inner, 8);
+  const int64_t unit = planes_per_bits_unit(e.inner);
   if (e.channels % unit != 0) return 0;
   const int64_t fit = std::max<int64_t>(1, kRunBytes / (channel_bytes * inputs)) / unit * unit;
   return std::min(std::max(fit, unit), e.channels);

@@ -318,11 +318,7 @@ struct PlaneKernels {
   static void affine_planes(const T* x, const T* y, T* out, const Extent& e, int64_t p0, int64_t p1,
                             const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
     const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
-    // The channel is counted along (a division a plane cost 7x7 planes ~5%).
-    for (int64_t p = p0, k = p0 % e.channels; p < p1; ++p, k = k + 1 == e.channels ? 0 : k + 1) {
-      const ChannelAffine<E> ca(c, k, y != nullptr, ep);
-      ca.row(x, y, out, p * e.inner, e.inner, ep, stream);
-    }
+    planes_in_order(x, y, out, e, p0, p1, c, ep, stream);
     if (stream) stream_fence();
   }
 
@@ -334,11 +330,19 @@ struct PlaneKernels {
                                  const math::AffineArrays<acc_t>& c, const E& ep = E{}) {
     const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
     for (int64_t o = 0; o < e.outer; ++o)
-      for (int64_t k = k0; k < k1; ++k) {
-        const ChannelAffine<E> ca(c, k, y != nullptr, ep);
-        ca.row(x, y, out, (o * e.channels + k) * e.inner, e.inner, ep, stream);
-      }
+      planes_in_order(x, y, out, e, o * e.channels + k0, o * e.channels + k1, c, ep, stream);
     if (stream) stream_fence();
+  }
+
+  // The elementwise pass over planes [p0, p1), one after the other, unfenced.
+  template <typename E>
+  static void planes_in_order(const T* x, const T* y, T* out, const Extent& e, int64_t p0, int64_t p1,
+                              const math::AffineArrays<acc_t>& c, const E& ep, bool stream) {
+    // The channel is counted along (a division a plane cost 7x7 planes ~5%).
+    for (int64_t p = p0, k = p0 % e.channels; p < p1; ++p, k = k + 1 == e.channels ? 0 : k + 1) {
+      const ChannelAffine<E> ca(c, k, y != nullptr, ep);
+      ca.row(x, y, out, p * e.inner, e.inner, ep, stream);
+    }
   }
 
   // One channel's coefficients as vectors, and the elementwise pass over
