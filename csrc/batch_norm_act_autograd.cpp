@@ -27,6 +27,10 @@
 #include <optional>
 #include <string>
 
+#include "channel_algebra.h"
+#include "forward_ad.h"
+#include "forward_grad.h"
+
 namespace torch_bn_grad {
 namespace {
 
@@ -68,16 +72,6 @@ const auto& act_backward_op() {
   return op;
 }
 
-const auto& forward_grad_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torch_bn_grad::batch_norm_forward_grad", "")
-          .typed<Outputs5(const at::Tensor&, const OptionalTensor&, const at::Tensor&, const at::Tensor&,
-                          const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double,
-                          c10::string_view, bool, std::optional<at::ScalarType>, std::array<bool, 5>)>();
-  return op;
-}
-
 bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
@@ -88,13 +82,33 @@ OptionalTensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// Per-channel values shaped to broadcast against src (1-D statistics on
-// NCX's channel axis; NXC's channels are last, and the broadcast form already broadcasts).
-at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::string_view data_format) {
-  if (stats.dim() == src.dim() || data_format != "NCX") return stats;
-  std::vector<c10::SymInt> shape(src.dim(), 1);
-  shape[1] = stats.sym_numel();
-  return stats.reshape_symint(shape);
+// What act'(z) depends on besides the tensors.
+struct ActArgs {
+  c10::string_view activation;
+  double slope;
+  double epsilon;
+  c10::string_view data_format;
+};
+
+// dy * act'(z) in differentiable ops, z = batch_norm(x; m, v, g, b) + r
+// (relu, leaky_relu: act' from the detached output y, whose derivative is 0,
+// torch's convention; silu from z, recomputed). The double backward's and the
+// jvp's gate. Mirrors csrc/activation_math.h: a new activation adds its case here.
+at::Tensor times_act_grad(const at::Tensor& dy, const ActArgs& a, const at::Tensor& x, const at::Tensor& y,
+                          const at::Tensor& r, const at::Tensor& m, const at::Tensor& v, const at::Tensor& g,
+                          const at::Tensor& b) {
+  if (a.activation == "identity") return dy;
+  if (a.activation == "relu") return dy * y.detach().gt(0);
+  if (a.activation == "leaky_relu") return at::where(y.detach().gt(0), dy, dy * a.slope);
+  TORCH_CHECK(a.activation == "silu", "batch_norm_act: no derivative formula for activation ", a.activation);
+  const auto acc = accumulation_dtype(x);
+  at::Tensor scale = (v.to(acc) + a.epsilon).rsqrt();
+  if (g.defined()) scale = scale * g.to(acc);
+  at::Tensor z = (x.to(acc) - broadcastable(m.to(acc), x, a.data_format)) * broadcastable(scale, x, a.data_format);
+  if (b.defined()) z = z + broadcastable(b.to(acc), x, a.data_format);
+  if (r.defined()) z = z + r.to(acc);
+  const at::Tensor s = z.sigmoid();
+  return (dy.to(acc) * (s * (1 + z * (1 - s)))).to(dy.scalar_type());
 }
 
 // Whether the forward may return dst's sign bits: plain CPU tensors in eager
@@ -124,7 +138,8 @@ struct ActForwardNode : public torch::autograd::Node {
     std::array<bool, 6> needs{};
     for (size_t input = 0; input < 6; ++input) needs[input] = task_should_compute_output(input);
     const bool frozen_stats_grad = !training && (needs[3] || needs[4]);
-    if (at::GradMode::is_enabled() || frozen_stats_grad || grads[1].defined() || grads[2].defined()) {
+    if (at::GradMode::is_enabled() || frozen_stats_grad || grads[1].defined() || grads[2].defined() ||
+        has_saved_tangent(grads[0])) {
       return composite(grads, needs);
     }
     variable_list out(6);
@@ -149,24 +164,18 @@ struct ActForwardNode : public torch::autograd::Node {
     return out;
   }
 
-  // dz = dy * act'(z) in differentiable ops (relu, leaky_relu: act' from the
-  // detached output, whose derivative is 0, torch's convention; silu from z).
-  // Mirrors csrc/activation_math.h: a new activation adds its case here.
   at::Tensor dz_of(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& y, const at::Tensor& r,
                    const at::Tensor& m, const at::Tensor& v, const at::Tensor& g, const at::Tensor& b) const {
-    if (activation == "identity") return dy;
-    if (activation == "relu") return dy * y.detach().gt(0);
-    if (activation == "leaky_relu") return at::where(y.detach().gt(0), dy, dy * slope);
-    TORCH_CHECK(activation == "silu", "batch_norm_act: no double-backward formula for activation ", activation);
-    const auto t = x.scalar_type();
-    const auto acc = (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
-    at::Tensor scale = (v.to(acc) + epsilon).rsqrt();
-    if (g.defined()) scale = scale * g.to(acc);
-    at::Tensor z = (x.to(acc) - broadcastable(m.to(acc), x, data_format)) * broadcastable(scale, x, data_format);
-    if (b.defined()) z = z + broadcastable(b.to(acc), x, data_format);
-    if (r.defined()) z = z + r.to(acc);
-    const at::Tensor s = z.sigmoid();
-    return (dy.to(acc) * (s * (1 + z * (1 - s)))).to(dy.scalar_type());
+    return times_act_grad(dy, {activation, slope, epsilon, data_format}, x, y, r, m, v, g, b);
+  }
+
+  // Whether forward-mode AD runs through this backward (forward over
+  // reverse): the composite route carries tangents, the fused operator none.
+  bool has_saved_tangent(const at::Tensor& grad) {
+    const auto self = getptr();
+    for (SavedVariable* saved : {&src, &dst, &residual, &mean, &variance, &gamma, &beta})
+      if (has_tangent(saved->unpack(self))) return true;
+    return has_tangent(grad);
   }
 
   variable_list composite(const variable_list& grads, const std::array<bool, 6>& needs) {
@@ -180,7 +189,7 @@ struct ActForwardNode : public torch::autograd::Node {
     at::Tensor dz;
     if (grads[0].defined()) dz = dz_of(grads[0], x, dst.unpack(self), residual.unpack(self), m, v, g, b);
     const at::Tensor& param = g.defined() ? g : b;
-    auto [diff_src, diff_gamma, diff_beta, diff_mean, diff_variance] = forward_grad_op().call(
+    auto [diff_src, diff_gamma, diff_beta, diff_mean, diff_variance] = batch_norm_forward_grad(
         x, optional(g), m, v, optional(dz), optional(grads[1]), optional(grads[2]), epsilon, data_format, training,
         param.defined() ? std::optional<at::ScalarType>(param.scalar_type()) : std::nullopt,
         {needs[0], needs[1], needs[2], needs[3], needs[4]});
@@ -194,6 +203,25 @@ struct ActForwardNode : public torch::autograd::Node {
   }
 };
 
+// Forward-mode AD: t_dst = act'(z) * (t_batch_norm + t_residual), the
+// statistics' tangents as batch_norm_forward's (forward_ad.h).
+void set_act_forward_tangents(const Outputs4& outputs, const at::Tensor& src, const OptionalTensor& gamma,
+                              const OptionalTensor& beta, const OptionalTensor& mean, const OptionalTensor& variance,
+                              const OptionalTensor& residual, const ActArgs& args) {
+  const auto& [dst, mean_used, variance_used, positive] = outputs;
+  auto [t_normalized, t_mean, t_variance] = batch_norm_forward_jvp(
+      src, gamma, mean_used, variance_used, !given(mean), args.epsilon, args.data_format, tangent_of(src),
+      tangent_of(gamma), tangent_of(beta), tangent_of(mean), tangent_of(variance));
+  at::Tensor t_z = t_normalized;
+  if (has_tangent(residual)) t_z = t_z.defined() ? t_z + tangent_of(residual) : tangent_of(residual);
+  if (t_z.defined()) {
+    set_tangent(dst, times_act_grad(t_z, args, primal_of(src), dst, primal_of(residual), mean_used, variance_used,
+                                    primal_of(gamma), primal_of(beta)));
+  }
+  set_tangent(mean_used, t_mean);
+  set_tangent(variance_used, t_variance);
+}
+
 // Whether the forward returns dst's sign bits: when the caller asks
 // (batch_norm_act_forward_sign_bits), or, for batch_norm_act_forward, when the
 // backward can read them (relu, leaky_relu, eager CPU, not memory saving).
@@ -206,11 +234,6 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
                               const OptionalTensor& residual, double epsilon, c10::string_view activation,
                               double negative_slope, c10::string_view data_format, bool memory_saving,
                               SignBits bits_wanted) {
-  using torch::autograd::isFwGradDefined;
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(isFwGradDefined(src) || isFwGradDefined(gamma) || isFwGradDefined(beta) || isFwGradDefined(mean) ||
-        isFwGradDefined(variance) || isFwGradDefined(residual)),
-      "batch_norm_act_forward: forward-mode AD (jvp, jacfwd) is not implemented");
   c10::intrusive_ptr<ActForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance, residual)) {
     node = c10::make_intrusive<ActForwardNode>();
@@ -230,6 +253,11 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
                                            negative_slope, data_format, memory_saving);
     return {d, m, v, at::Tensor()};
   }();
+  if (has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) || has_tangent(variance) ||
+      has_tangent(residual)) {
+    set_act_forward_tangents(outputs, src, gamma, beta, mean, variance, residual,
+                             {activation, negative_slope, epsilon, data_format});
+  }
   if (!node) return outputs;
   auto& [dst, mean_used, variance_used, positive] = outputs;
   torch::autograd::set_history(dst, node);
@@ -301,6 +329,11 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
                                           c10::string_view activation, double negative_slope,
                                           c10::string_view data_format, bool training, bool from_output,
                                           std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(has_tangent(diff_dst) || has_tangent(src) || has_tangent(dst) || has_tangent(residual) ||
+        has_tangent(mean) || has_tangent(variance) || has_tangent(gamma) || has_tangent(beta)),
+      "batch_norm_act_backward has no forward-mode derivative; differentiate batch_norm_act_forward (or "
+      "functional.batch_norm_act) instead, whose derivatives (jvp, jacfwd, hessian) are implemented");
   c10::intrusive_ptr<ActBackwardRefusal> node;
   if (torch::autograd::compute_requires_grad(diff_dst, src, dst, residual, mean, variance, gamma, beta)) {
     node = c10::make_intrusive<ActBackwardRefusal>();

@@ -18,6 +18,10 @@
 #include <optional>
 #include <string>
 
+#include "channel_algebra.h"
+#include "forward_ad.h"
+#include "forward_grad.h"
+
 namespace torch_bn_grad {
 namespace {
 
@@ -45,35 +49,25 @@ const auto& backward_op() {
 }
 
 // The backward operator. Without grad mode nothing is recorded, so its
-// (Python) autograd kernel is skipped; with it (double backward) it records.
+// (Python) autograd kernel is skipped; with it (double backward) it records,
+// and with tangents (forward over reverse) it computes theirs.
 Outputs3 call_backward_op(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
                           const at::Tensor& variance, const OptionalTensor& gamma, double epsilon,
                           c10::string_view data_format, bool training, std::array<bool, 3> mask) {
-  if (!at::GradMode::is_enabled()) {
+  const bool forward_ad = has_tangent(src) || has_tangent(diff_dst) || has_tangent(mean) || has_tangent(variance) ||
+                          has_tangent(gamma);
+  if (!at::GradMode::is_enabled() && !forward_ad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return backward_op().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, mask);
   }
   return backward_op().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, mask);
 }
 
-// Per-channel values of `stats` shaped to broadcast against `src`: 1-D
-// statistics on the channel axis of data_format; the broadcast form (same
-// rank as src) already broadcasts.
-at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::string_view data_format) {
-  if (stats.dim() == src.dim() || data_format != "NCX") return stats;  // NXC: channels are the last dim
-  std::vector<c10::SymInt> shape(src.dim(), 1);
-  shape[1] = stats.sym_numel();
-  return stats.reshape_symint(shape);
-}
-
-at::ScalarType accumulation_dtype(const at::Tensor& src) {
-  const auto t = src.scalar_type();
-  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
-}
-
 at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
   return (t.defined() && dtype.has_value() && t.scalar_type() != *dtype) ? t.to(*dtype) : t;
 }
+
+}  // namespace
 
 // Gradients of (dst, mean, variance) = batch_norm_forward(src, gamma, beta, ...)
 // with respect to (src, gamma, beta, mean, variance); undefined where not asked.
@@ -109,8 +103,7 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
 
   if (training) {
     if (need_src && (has_grad_mean || has_grad_variance)) {
-      // Symbolic under torch.compile: M = numel(src) / numel(mean), at least 1.
-      const c10::Scalar count((src.sym_numel() / mean.sym_numel().max(1)).max(1));
+      const c10::Scalar count(per_channel_count(src, mean));  // symbolic under torch.compile
       at::Tensor extra = at::zeros({}, src.options().dtype(acc));
       if (has_grad_mean) extra = extra + broadcastable(grad_mean->to(acc), src, data_format) / count;
       if (has_grad_variance) {
@@ -136,6 +129,8 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
   return {need_src ? diff_src : at::Tensor(), need_gamma ? to_dtype(diff_gamma, param_dtype) : at::Tensor(),
           need_beta ? to_dtype(diff_beta, param_dtype) : at::Tensor(), mean_grad, variance_grad};
 }
+
+namespace {
 
 bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 
@@ -175,10 +170,6 @@ struct ForwardNode : public torch::autograd::Node {
 Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
                                      const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
                                      c10::string_view data_format) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!(torch::autograd::isFwGradDefined(src) || torch::autograd::isFwGradDefined(gamma) ||
-                torch::autograd::isFwGradDefined(beta) || torch::autograd::isFwGradDefined(mean) ||
-                torch::autograd::isFwGradDefined(variance)),
-              "batch_norm_forward: forward-mode AD (jvp, jacfwd) is not implemented");
   c10::intrusive_ptr<ForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance)) {
     node = c10::make_intrusive<ForwardNode>();
@@ -188,6 +179,15 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format);
   }();
+  if (has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) || has_tangent(variance)) {
+    const auto& [dst, mean_used, variance_used] = outputs;
+    const auto [t_dst, t_mean, t_variance] = batch_norm_forward_jvp(
+        src, gamma, mean_used, variance_used, !given(mean), epsilon, data_format, tangent_of(src),
+        tangent_of(gamma), tangent_of(beta), tangent_of(mean), tangent_of(variance));
+    set_tangent(dst, t_dst);
+    set_tangent(mean_used, t_mean);
+    set_tangent(variance_used, t_variance);
+  }
   if (node) {
     auto& [dst, mean_used, variance_used] = outputs;
     torch::autograd::set_history(dst, node);

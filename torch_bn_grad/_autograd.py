@@ -36,6 +36,8 @@ class _PerChannel:
 def _backward_setup_context(ctx, inputs, output) -> None:
     src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask = inputs
     ctx.save_for_backward(src, diff_dst, mean, variance, gamma)
+    ctx.save_for_forward(src, diff_dst, mean, variance, gamma)
+    ctx.output_dtypes = [t.dtype for t in output]
     ctx.epsilon = epsilon
     ctx.data_format = data_format
     ctx.training = training
@@ -106,4 +108,48 @@ def _backward_backward(ctx, grad_diff_src, grad_diff_gamma, grad_diff_beta):
     )
 
 
-register_autograd(torch.ops.torch_bn_grad.batch_norm_backward.default, _backward_backward, _backward_setup_context)
+def _backward_jvp(ctx, t_src, t_dy, t_mean, t_variance, t_gamma, *_):
+    """Tangents of (diff_src, diff_gamma, diff_beta) given the inputs' (None: zero).
+
+    With the notation of _backward_backward, a = g r and c = g r^3 / M, the
+    product rule on diff_src = a dy - (a / M) sb - c xc sgc (training; a dy
+    frozen), diff_gamma = r sgc and diff_beta = sb, where
+    t_r = -r^3 t_variance / 2, t_xc = t_x - t_mean, t_sb = sum(t_dy) and
+    t_sgc = sum(t_dy xc + dy t_xc). Forward over reverse (hessian) runs it.
+    """
+    src, dy, mean, variance, gamma = ctx.saved_tensors
+    pc = _PerChannel(src, mean, ctx.data_format)
+    x, d = pc.data(src), pc.data(dy)
+    zero = lambda like: torch.zeros_like(pc.data(like))  # noqa: E731
+    tx = pc.data(t_src) if t_src is not None else zero(src)
+    td = pc.data(t_dy) if t_dy is not None else zero(dy)
+    tm = pc.data(t_mean) if t_mean is not None else zero(mean)
+    tv = pc.data(t_variance) if t_variance is not None else zero(variance)
+    r = (pc.data(variance) + ctx.epsilon).rsqrt()
+    g = pc.data(gamma) if gamma is not None else torch.ones_like(r)
+    tg = pc.data(t_gamma) if t_gamma is not None and gamma is not None else torch.zeros_like(r)
+
+    xc = x - pc.bc(pc.data(mean))
+    txc = tx - pc.bc(tm)
+    sb, sgc = pc.sum(d), pc.sum(d * xc)
+    t_sb, t_sgc = pc.sum(td), pc.sum(td * xc + d * txc)
+    tr = -0.5 * r**3 * tv
+    a, ta = g * r, tg * r + g * tr
+    t_diff_src = pc.bc(ta) * d + pc.bc(a) * td
+    if ctx.training:
+        m = pc.count
+        c, tc = g * r**3 / m, (tg * r**3 + 3 * g * r**2 * tr) / m
+        t_diff_src = (t_diff_src - pc.bc((ta * sb + a * t_sb) / m) - pc.bc(tc * sgc) * xc
+                      - pc.bc(c) * (txc * pc.bc(sgc) + xc * pc.bc(t_sgc)))
+    t_diff_gamma = tr * sgc + r * t_sgc
+    # A skipped output is an empty placeholder, and so is its tangent (None
+    # would trip autograd.Function's forward-mode bookkeeping).
+    return tuple(
+        t.to(dtype) if wanted else t.new_zeros(0, dtype=dtype)
+        for t, dtype, wanted in zip((t_diff_src, t_diff_gamma, t_sb), ctx.output_dtypes, ctx.output_mask)
+    )
+
+
+register_autograd(
+    torch.ops.torch_bn_grad.batch_norm_backward.default, _backward_backward, _backward_setup_context, _backward_jvp
+)

@@ -37,23 +37,25 @@ def register_autograd(
     op: OpOverload,
     backward: Callable[..., Any],
     setup_context: Callable[[Any, tuple, Any], None],
+    jvp: Callable[..., Any] | None = None,
 ) -> None:
     """Make ``backward``/``setup_context`` the Autograd kernel of ``op``, for
-    autograd and torch.func alike."""
-    function = type(
-        f"{op._opname}_autograd",
-        (SingleLevelFunction,),  # see _compat
-        {
-            "forward": staticmethod(functools.partial(_forward_below_autograd, op)),
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward),
-        },
-    )
+    autograd and torch.func alike; ``jvp`` (``autograd.Function``'s, given the
+    tangents of every input) is its forward-mode formula, and without it
+    forward-mode AD raises."""
+    methods = {
+        "forward": staticmethod(functools.partial(_forward_below_autograd, op)),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+    }
+    if jvp is not None:
+        methods["jvp"] = staticmethod(jvp)
+    function = type(f"{op._opname}_autograd", (SingleLevelFunction,), methods)  # SingleLevelFunction: see _compat
     plain_apply = function.apply
 
     def kernel(keyset: DispatchKeySet, *args: Any) -> Any:
-        # Dual inputs go to the Function too: it has no jvp, so forward-mode AD
-        # (torch.func.jvp, jacfwd, hessian) raises instead of dropping tangents.
+        # Dual inputs go to the Function too: its jvp runs, or, without one,
+        # forward-mode AD raises instead of dropping tangents.
         if (torch.is_grad_enabled() and any_requires_grad(*args)) or _has_tangent(args):
             # Allowed here, under torch.func, because this node is one level's.
             with enable_single_level_autograd_function():

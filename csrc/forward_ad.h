@@ -1,0 +1,40 @@
+// Forward-mode AD (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad)
+// of batch_norm_forward, for the operators' C++ autograd kernels. The
+// tangents are made of differentiable at:: operators, so reverse mode can
+// differentiate them again (jacrev of jacfwd); the backward operator's own
+// jvp (forward over reverse: hessian) is Python's (torch_bn_grad/_autograd.py).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+#include <tuple>
+
+namespace torch_bn_grad {
+
+// The forward-mode gradient of an optional input (undefined when it has none).
+at::Tensor tangent_of(const std::optional<at::Tensor>& t);
+bool has_tangent(const std::optional<at::Tensor>& t);
+// Its primal (the tensor without its tangent); undefined stays undefined.
+at::Tensor primal_of(const std::optional<at::Tensor>& t);
+
+// Tangents of batch_norm_forward's (dst, mean, variance), in src's and the
+// statistics' dtypes, given its inputs, the statistics it used (mean_used,
+// variance_used: the batch's in training, the given ones frozen) and the
+// inputs' tangents (undefined: zero). With r = (variance + eps)^-1/2 and
+// x_hat = (x - mean) r:
+//   training: t_mean = E[t_x], t_variance = 2 E[(x - mean)(t_x - t_mean)]
+//   frozen:   t_mean, t_variance are the given statistics' tangents
+//   t_dst = gamma (t_x - t_mean) r - gamma x_hat r^2 t_variance / 2 + t_gamma x_hat + t_beta.
+// An undefined result is a zero tangent.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
+    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean_used,
+    const at::Tensor& variance_used, bool training, double epsilon, c10::string_view data_format,
+    const at::Tensor& t_src, const at::Tensor& t_gamma, const at::Tensor& t_beta, const at::Tensor& t_mean,
+    const at::Tensor& t_variance);
+
+// Sets `output`'s forward-mode gradient to `tangent` (nothing when undefined).
+void set_tangent(const at::Tensor& output, const at::Tensor& tangent);
+
+}  // namespace torch_bn_grad
