@@ -2,6 +2,8 @@
 
 #include "channel_algebra.h"
 
+#include <torch/library.h>
+
 namespace torch_bn_grad {
 namespace {
 
@@ -72,6 +74,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
 
 void set_tangent(const at::Tensor& output, const at::Tensor& tangent) {
   if (tangent.defined()) output._set_fw_grad(tangent, /*level=*/0, /*is_inplace_op=*/false);
+}
+
+namespace {
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp_op(
+    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean,
+    const at::Tensor& variance, bool training, double epsilon, c10::string_view data_format,
+    const std::optional<at::Tensor>& t_src, const std::optional<at::Tensor>& t_gamma,
+    const std::optional<at::Tensor>& t_beta, const std::optional<at::Tensor>& t_mean,
+    const std::optional<at::Tensor>& t_variance) {
+  return batch_norm_forward_jvp(src, gamma, mean, variance, training, epsilon, data_format, or_undefined(t_src),
+                                or_undefined(t_gamma), or_undefined(t_beta), or_undefined(t_mean),
+                                or_undefined(t_variance));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeImplicitAutograd, m) {
+  m.impl("batch_norm_forward_jvp", &batch_norm_forward_jvp_op);
 }
 
 }  // namespace torch_bn_grad

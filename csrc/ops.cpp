@@ -77,6 +77,15 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "Tensor? grad_mean, Tensor? grad_variance, float epsilon, str data_format, bool training, "
       "ScalarType? param_dtype, bool[5] output_mask) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_mean, Tensor diff_variance)");
+  // Forward-mode AD of batch_norm_forward: the tangents of (dst, mean,
+  // variance) given src, gamma, the statistics the forward used (the batch's
+  // in training, the given ones frozen) and the inputs' tangents (None: zero);
+  // None where zero. The forward operators' Autograd kernels and
+  // BatchNormFunction.jvp compute them with it (csrc/forward_ad.cpp).
+  m.def(
+      "batch_norm_forward_jvp(Tensor src, Tensor? gamma, Tensor mean, Tensor variance, bool training, "
+      "float epsilon, str data_format, Tensor? src_t, Tensor? gamma_t, Tensor? beta_t, Tensor? mean_t, "
+      "Tensor? variance_t) -> (Tensor dst_t, Tensor mean_t, Tensor variance_t)");
 
   // Fused batch norm + residual add + activation:
   // dst = act(batch_norm(src) + residual), activation 'identity', 'relu',

@@ -269,3 +269,26 @@ def test_gradcheck_forward_ad_fused(activation):
 
     assert torch.autograd.gradcheck(f, (x, res, w, b), check_forward_ad=True)
     assert torch.autograd.gradgradcheck(f, (x, res, w, b), check_fwd_over_rev=True)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "frozen"])
+def test_batch_norm_function_jvp(training):
+    """BatchNormFunction (the autograd.Function of the contract) has a jvp: forward_ad
+    dual tensors and gradcheck's forward-mode check."""
+    g = torch.Generator().manual_seed(10)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    x, w, b = r(4, 3, 5), r(3), r(3)
+    rm, rv = r(3), (torch.rand(3, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    stats = (None, None) if training else (rm, rv)
+
+    def f(x, w, b, rm, rv):
+        return torch_bn_grad.BatchNormFunction.apply(x, w, b, *((None, None) if training else (rm, rv)), EPS, "NCX")
+
+    assert torch.autograd.gradcheck(f, (x, w, b, rm, rv), check_forward_ad=True)
+    tangents = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (x, w, b)]
+    with fwAD.dual_level():
+        y = f(*(fwAD.make_dual(t.detach(), tt) for t, tt in zip((x, w, b), tangents)), rm.detach(), rv.detach())
+        t_ours = fwAD.unpack_dual(y).tangent
+    _, t_ref = torch.func.jvp(lambda x, w, b: reference_forward(x, w, b, *stats, EPS, "NCX")[0],
+                              (x.detach(), w.detach(), b.detach()), tuple(tangents))
+    torch.testing.assert_close(t_ours, t_ref)

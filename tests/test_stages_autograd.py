@@ -104,9 +104,10 @@ def test_every_operator_has_an_autograd_kernel():
              "batch_norm_grad_input", "batch_norm_update_running_stats", "batch_norm_act_forward",
              "batch_norm_act_forward_sign_bits", "batch_norm_act_backward", "batch_norm_stats_affine"]
     schemas = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("torch_bn_grad::")}
-    # batch_norm_forward_grad is made of differentiable operators (CompositeImplicitAutograd).
-    assert schemas == set(names) | {"batch_norm_forward_grad"}, schemas
+    # The forward operator's derivatives are made of differentiable operators (CompositeImplicitAutograd).
+    composite = {"batch_norm_forward_grad", "batch_norm_forward_jvp"}
+    assert schemas == set(names) | composite, schemas
     for name in names:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_bn_grad::{name}", "Autograd"), name
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "torch_bn_grad::batch_norm_forward_grad", "CompositeImplicitAutograd")
+    for name in composite:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_bn_grad::{name}", "CompositeImplicitAutograd")

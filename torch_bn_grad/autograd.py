@@ -21,7 +21,8 @@ class BatchNormFunction(torch.autograd.Function):
     and saves ``src``, the statistics and ``gamma``; the backward runs
     :func:`torch_bn_grad.batch_norm_backward` and returns diff_src, diff_gamma
     and diff_beta (and, for frozen statistics that require grad, their
-    gradients). Gradients of any order are supported.
+    gradients). Gradients of any order are supported, and forward-mode AD
+    (``jvp``) through ``torch.autograd.forward_ad`` dual tensors.
     """
 
     @staticmethod
@@ -39,15 +40,25 @@ class BatchNormFunction(torch.autograd.Function):
             src, gamma, beta, mean, variance, epsilon=epsilon, data_format=data_format
         )
         # Frozen statistics are saved as given, so that double backward reaches them.
-        ctx.save_for_backward(
-            src, gamma, mean if mean is not None else mean_used,
-            variance if variance is not None else variance_used,
-        )
+        saved = (src, gamma, mean if mean is not None else mean_used, variance if variance is not None else variance_used)
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
         ctx.training = mean is None
         ctx.param_dtype = next((t.dtype for t in (gamma, beta) if t is not None), None)
         ctx.epsilon = epsilon
         ctx.data_format = data_format
         return dst
+
+    @staticmethod
+    def jvp(ctx: Any, src_t, gamma_t, beta_t, mean_t, variance_t, *_: Any) -> Optional[Tensor]:  # type: ignore[override]
+        """Forward-mode AD (``torch.autograd.forward_ad``, ``gradcheck(check_forward_ad=True)``):
+        the forward operator's own jvp formula (csrc/forward_ad.cpp)."""
+        src, gamma, mean, variance = ctx.saved_tensors
+        dst_t, _, _ = torch.ops.torch_bn_grad.batch_norm_forward_jvp.default(
+            src, gamma, mean, variance, ctx.training, ctx.epsilon, ctx.data_format, src_t, gamma_t, beta_t,
+            mean_t, variance_t,
+        )
+        return dst_t if dst_t is not None else torch.zeros_like(src)
 
     @staticmethod
     def backward(ctx: Any, grad_dst: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
