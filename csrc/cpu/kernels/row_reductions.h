@@ -189,21 +189,19 @@ struct RowReductions {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     alignas(64) acc_t run[kColumnBlock];
-    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
-      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for (int64_t o = r0; o < r1; ++o) {
-        const bool first = o == r0;  // the run's sums start from zero, as in registers
-        for (int64_t j = 0; j < vec_end; j += K) {
-          Vec v[P];
-          IO::load(x + o * C + c0 + j, v);
-          for (int q = 0; q < P; ++q) {
-            acc_t* a = run + j + q * W;
-            acc_t* mx = max_abs + j + q * W;
-            ((first ? Vec(acc_t(0)) : Vec::loadu(a)) + v[q]).store(a);
-            at::vec::clamp_min(v[q].abs(), Vec::loadu(mx)).store(mx);
-          }
+    auto row = [&](int64_t o, bool first) {
+      for (int64_t j = 0; j < vec_end; j += K) {
+        Vec v[P];
+        IO::load(x + o * C + c0 + j, v);
+        for (int q = 0; q < P; ++q) {
+          acc_t* a = run + j + q * W;
+          acc_t* mx = max_abs + j + q * W;
+          ((first ? Vec(acc_t(0)) : Vec::loadu(a)) + v[q]).store(a);
+          at::vec::clamp_min(v[q].abs(), Vec::loadu(mx)).store(mx);
         }
       }
+    };
+    for_rows_of_runs(blk, row, [&](int64_t r0, int64_t r1) {
       for (int64_t j = 0; j < vec_end; j += W) sx.add(j, Vec::loadu(run + j));
       for (int64_t o = r0; o < r1; ++o)
         for (int64_t j = vec_end; j < nc; ++j) {
@@ -211,6 +209,19 @@ struct RowReductions {
           sx.add(j, a);
           max_abs[j] = std::max(max_abs[j], std::abs(a));
         }
+    });
+  }
+
+  // The walk of the passes that go by rows (sum_max_by_rows,
+  // grad_sums_by_rows): for each run of kRowRun rows, row(o, first) on each
+  // of its rows in order (first: the run's first, whose sums start from
+  // zero, as in registers), then run_end(r0, r1).
+  template <typename Row, typename RunEnd>
+  static void for_rows_of_runs(const Block& blk, const Row& row, const RunEnd& run_end) {
+    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
+      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
+      for (int64_t o = r0; o < r1; ++o) row(o, o == r0);
+      run_end(r0, r1);
     }
   }
 
@@ -332,31 +343,29 @@ struct RowReductions {
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     alignas(64) acc_t run_dy[kColumnBlock];
     alignas(64) acc_t run_dy_xc[kColumnBlock];
-    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
-      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for (int64_t o = r0; o < r1; ++o) {
-        const bool first = o == r0;  // the run's sums start from zero, as in registers
-        for (int64_t j = 0; j < vec_end; j += K) {
-          const int64_t off = o * C + c0 + j;
-          Vec xv[P], dv[P];
-          IO::load(dy + off, dv);
-          IO::load(x + off, xv);
-          ep.columns(c0 + j).apply(off, K, xv, dv);
-          for (int q = 0; q < P; ++q) {
-            acc_t* a = run_dy + j + q * W;
-            acc_t* b = run_dy_xc + j + q * W;
-            const Vec a0 = first ? Vec(acc_t(0)) : Vec::loadu(a), b0 = first ? Vec(acc_t(0)) : Vec::loadu(b);
-            (a0 + dv[q]).store(a);
-            at::vec::fmadd(dv[q], xv[q] - Vec::loadu(m + j + q * W), b0).store(b);
-          }
+    auto row = [&](int64_t o, bool first) {
+      for (int64_t j = 0; j < vec_end; j += K) {
+        const int64_t off = o * C + c0 + j;
+        Vec xv[P], dv[P];
+        IO::load(dy + off, dv);
+        IO::load(x + off, xv);
+        ep.columns(c0 + j).apply(off, K, xv, dv);
+        for (int q = 0; q < P; ++q) {
+          acc_t* a = run_dy + j + q * W;
+          acc_t* b = run_dy_xc + j + q * W;
+          const Vec a0 = first ? Vec(acc_t(0)) : Vec::loadu(a), b0 = first ? Vec(acc_t(0)) : Vec::loadu(b);
+          (a0 + dv[q]).store(a);
+          at::vec::fmadd(dv[q], xv[q] - Vec::loadu(m + j + q * W), b0).store(b);
         }
       }
+    };
+    for_rows_of_runs(blk, row, [&](int64_t r0, int64_t r1) {
       for (int64_t j = 0; j < vec_end; j += W) {
         sum_dy.add(j, Vec::loadu(run_dy + j));
         sum_dy_xc.add(j, Vec::loadu(run_dy_xc + j));
       }
       grad_sums_tail(x, dy, e, blk, m, r0, r1, sum_dy, sum_dy_xc, ep);
-    }
+    });
   }
 
   // The columns past the last full chunk, of rows [r0, r1), one element at a time.
