@@ -130,6 +130,7 @@ struct ActForwardNode : public torch::autograd::Node {
   double epsilon = 0, slope = 0;
   std::string activation, data_format;
   bool training = true, memory_saving = false, has_residual = false;
+  bool inputs_had_tangents = false;  // forward over reverse: the backward must carry tangents
 
   std::string name() const override { return "BatchNormActForwardBackward"; }
 
@@ -139,7 +140,7 @@ struct ActForwardNode : public torch::autograd::Node {
     for (size_t input = 0; input < 6; ++input) needs[input] = task_should_compute_output(input);
     const bool frozen_stats_grad = !training && (needs[3] || needs[4]);
     if (at::GradMode::is_enabled() || frozen_stats_grad || grads[1].defined() || grads[2].defined() ||
-        has_saved_tangent(grads[0])) {
+        inputs_had_tangents || has_tangent(grads[0])) {
       return composite(grads, needs);
     }
     variable_list out(6);
@@ -167,15 +168,6 @@ struct ActForwardNode : public torch::autograd::Node {
   at::Tensor dz_of(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& y, const at::Tensor& r,
                    const at::Tensor& m, const at::Tensor& v, const at::Tensor& g, const at::Tensor& b) const {
     return times_act_grad(dy, {activation, slope, epsilon, data_format}, x, y, r, m, v, g, b);
-  }
-
-  // Whether forward-mode AD runs through this backward (forward over
-  // reverse): the composite route carries tangents, the fused operator none.
-  bool has_saved_tangent(const at::Tensor& grad) {
-    const auto self = getptr();
-    for (SavedVariable* saved : {&src, &dst, &residual, &mean, &variance, &gamma, &beta})
-      if (has_tangent(saved->unpack(self))) return true;
-    return has_tangent(grad);
   }
 
   variable_list composite(const variable_list& grads, const std::array<bool, 6>& needs) {
@@ -253,8 +245,9 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
                                            negative_slope, data_format, memory_saving);
     return {d, m, v, at::Tensor()};
   }();
-  if (has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) || has_tangent(variance) ||
-      has_tangent(residual)) {
+  const bool forward_ad = has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) ||
+                          has_tangent(variance) || has_tangent(residual);
+  if (forward_ad) {
     set_act_forward_tangents(outputs, src, gamma, beta, mean, variance, residual,
                              {activation, negative_slope, epsilon, data_format});
   }
@@ -287,6 +280,9 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
   node->training = training;
   node->memory_saving = memory_saving;
   node->has_residual = given(residual);
+  // With tangents the backward takes the composite route, which carries them
+  // (forward over reverse); the fused backward operator carries none.
+  node->inputs_had_tangents = forward_ad;
   return outputs;
 }
 

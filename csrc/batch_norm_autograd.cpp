@@ -63,10 +63,6 @@ Outputs3 call_backward_op(const at::Tensor& src, const at::Tensor& diff_dst, con
   return backward_op().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, mask);
 }
 
-at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
-  return (t.defined() && dtype.has_value() && t.scalar_type() != *dtype) ? t.to(*dtype) : t;
-}
-
 }  // namespace
 
 // Gradients of (dst, mean, variance) = batch_norm_forward(src, gamma, beta, ...)

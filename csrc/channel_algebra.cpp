@@ -9,6 +9,10 @@ at::ScalarType accumulation_dtype(const at::Tensor& src) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
 
+at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
+  return (t.defined() && dtype.has_value() && t.scalar_type() != *dtype) ? t.to(*dtype) : t;
+}
+
 at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::string_view data_format) {
   if (stats.dim() == src.dim() || data_format != "NCX") return stats;  // NXC: channels are the last dim
   std::vector<c10::SymInt> shape(src.dim(), 1);

@@ -9,10 +9,15 @@
 #include <ATen/ATen.h>
 #include <c10/util/string_view.h>
 
+#include <optional>
+
 namespace torch_bn_grad {
 
 // The dtype the autograd formulas compute in: float32 for half-precision data.
 at::ScalarType accumulation_dtype(const at::Tensor& src);
+
+// `t` in `dtype` (as it is when undefined, already of it, or no dtype given).
+at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype);
 
 // Per-channel values of `stats` shaped to broadcast against `src`.
 at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::string_view data_format);

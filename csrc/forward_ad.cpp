@@ -14,10 +14,6 @@ at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
   return a + b;
 }
 
-at::Tensor to_dtype(const at::Tensor& t, at::ScalarType dtype) {
-  return t.defined() && t.scalar_type() != dtype ? t.to(dtype) : t;
-}
-
 }  // namespace
 
 at::Tensor tangent_of(const std::optional<at::Tensor>& t) {
@@ -34,10 +30,14 @@ at::Tensor primal_of(const std::optional<at::Tensor>& t) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
     const at::Tensor& src_in, const std::optional<at::Tensor>& gamma_in, const at::Tensor& mean_used,
     const at::Tensor& variance_used, bool training, double epsilon, c10::string_view data_format,
-    const at::Tensor& t_src, const at::Tensor& t_gamma, const at::Tensor& t_beta, const at::Tensor& t_mean,
-    const at::Tensor& t_variance) {
+    const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,
+    const std::optional<at::Tensor>& beta_t, const std::optional<at::Tensor>& mean_t,
+    const std::optional<at::Tensor>& variance_t) {
   // The formulas read primals: a tangent may not carry a tangent of its own.
   const at::Tensor x = primal_of(src_in), gamma = primal_of(gamma_in);
+  const at::Tensor t_src = src_t.value_or(at::Tensor()), t_gamma = gamma_t.value_or(at::Tensor());
+  const at::Tensor t_beta = beta_t.value_or(at::Tensor()), t_mean = mean_t.value_or(at::Tensor());
+  const at::Tensor t_variance = variance_t.value_or(at::Tensor());
   const auto acc = accumulation_dtype(x);
   const auto per_channel = [&](const at::Tensor& stats) { return broadcastable(stats.to(acc), x, data_format); };
   const at::Tensor centred = x.to(acc) - per_channel(mean_used);
@@ -76,25 +76,8 @@ void set_tangent(const at::Tensor& output, const at::Tensor& tangent) {
   if (tangent.defined()) output._set_fw_grad(tangent, /*level=*/0, /*is_inplace_op=*/false);
 }
 
-namespace {
-
-at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp_op(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean,
-    const at::Tensor& variance, bool training, double epsilon, c10::string_view data_format,
-    const std::optional<at::Tensor>& t_src, const std::optional<at::Tensor>& t_gamma,
-    const std::optional<at::Tensor>& t_beta, const std::optional<at::Tensor>& t_mean,
-    const std::optional<at::Tensor>& t_variance) {
-  return batch_norm_forward_jvp(src, gamma, mean, variance, training, epsilon, data_format, or_undefined(t_src),
-                                or_undefined(t_gamma), or_undefined(t_beta), or_undefined(t_mean),
-                                or_undefined(t_variance));
-}
-
-}  // namespace
-
 TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeImplicitAutograd, m) {
-  m.impl("batch_norm_forward_jvp", &batch_norm_forward_jvp_op);
+  m.impl("batch_norm_forward_jvp", &batch_norm_forward_jvp);
 }
 
 }  // namespace torch_bn_grad

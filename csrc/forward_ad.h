@@ -22,7 +22,8 @@ at::Tensor primal_of(const std::optional<at::Tensor>& t);
 // Tangents of batch_norm_forward's (dst, mean, variance), in src's and the
 // statistics' dtypes, given its inputs, the statistics it used (mean_used,
 // variance_used: the batch's in training, the given ones frozen) and the
-// inputs' tangents (undefined: zero). With r = (variance + eps)^-1/2 and
+// inputs' tangents (absent or undefined: zero); also the kernel of the
+// operator batch_norm_forward_jvp. With r = (variance + eps)^-1/2 and
 // x_hat = (x - mean) r:
 //   training: t_mean = E[t_x], t_variance = 2 E[(x - mean)(t_x - t_mean)]
 //   frozen:   t_mean, t_variance are the given statistics' tangents
@@ -31,8 +32,9 @@ at::Tensor primal_of(const std::optional<at::Tensor>& t);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
     const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean_used,
     const at::Tensor& variance_used, bool training, double epsilon, c10::string_view data_format,
-    const at::Tensor& t_src, const at::Tensor& t_gamma, const at::Tensor& t_beta, const at::Tensor& t_mean,
-    const at::Tensor& t_variance);
+    const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,
+    const std::optional<at::Tensor>& beta_t, const std::optional<at::Tensor>& mean_t,
+    const std::optional<at::Tensor>& variance_t);
 
 // Sets `output`'s forward-mode gradient to `tangent` (nothing when undefined).
 void set_tangent(const at::Tensor& output, const at::Tensor& tangent);

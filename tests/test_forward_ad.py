@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import torch_bn_grad
 from reference import HALF_TYPES, assert_close, cases, reference_backward, reference_forward, stats_dtype
+from test_fused_act import ACTIVATIONS, _act  # torch's composition, leaky_relu's slope 0.2
 from torch_bn_grad import functional as BF
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward.default
@@ -136,14 +137,6 @@ def test_dual_tensors_of_forward_ad():
             results.append(fwAD.unpack_dual(y))
     torch.testing.assert_close(results[0].primal, results[1].primal)
     torch.testing.assert_close(results[0].tangent, results[1].tangent)
-
-
-ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
-
-
-def _act(z, activation):
-    return {"identity": lambda t: t, "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, 0.2),
-            "silu": F.silu}[activation](z)
 
 
 # memory_saving needs an invertible activation.
