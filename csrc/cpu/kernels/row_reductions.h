@@ -4,6 +4,8 @@
 // and each channel's compensated sums (exact_sum.h) are kept in L1.
 #pragma once
 
+#include <c10/macros/Macros.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -66,6 +68,26 @@ struct RowReductions {
     for (; j < vec_end; j += K) f(j, std::integral_constant<int, 1>{});
   }
 
+  // The reductions that read memory as it comes (pass 1 of the statistics,
+  // the grad sums) request their lines ahead of the loads: on this VM the
+  // hardware prefetchers left those loads waiting (a profile of the grad
+  // sums of 32x1024x14x14 channels_last float16 had a third of its samples
+  // on the instructions after two loads). Walking rows, each chunk asks for
+  // the line kRowAheadBytes on in each stream; walking chunks of kRowRun
+  // rows, each chunk group asks for the same columns of the next run's rows.
+  // Measured here (2 threads, in one process alternating with and without,
+  // min and median of 100 calls): backward 0.85x-0.95x the time on
+  // channels_last 128-1024 channels and 4096x1024 (float32, float16,
+  // bfloat16), forward 0.92x-0.95x on 1024-channel rows of float32; rows
+  // cut into column blocks (2048 channels) and the second statistics pass
+  // (block in cache) were level, the chunk walk of the grad sums mixed.
+  static constexpr int64_t kRowAheadBytes = 8192;
+  static constexpr int64_t kRowAhead = kRowAheadBytes / static_cast<int64_t>(sizeof(T));
+  // Requests the line `ahead` elements on from p + off when it lies before p + end.
+  C10_ALWAYS_INLINE static void prefetch_ahead(const T* p, int64_t off, int64_t ahead, int64_t end) {
+    if (off + ahead < end) __builtin_prefetch(p + off + ahead, 0, 3);
+  }
+
   // The block's (count, mean, m2) partial of each of its channels: pass 1
   // takes the exact sums of x and max |x| per column, pass 2 (block in
   // cache) the exact sums of (x - centre)^2. A channel is `span` adjacent
@@ -116,14 +138,22 @@ struct RowReductions {
   // The walk of both statistics passes: for each run of kRowRun rows, each
   // group of full chunks gets chunk(j, group, r0, r1), which sums the run's
   // rows of it in registers; then the columns past the last full chunk get
-  // tail(value, j), row by row.
+  // tail(value, j), row by row. `from_memory` (pass 1): each group first
+  // requests its columns of the next run's rows.
   template <typename Chunk, typename Tail>
-  static void for_runs(const T* x, const Extent& e, const Block& blk, const Chunk& chunk, const Tail& tail) {
+  static void for_runs(const T* x, const Extent& e, const Block& blk, bool from_memory, const Chunk& chunk,
+                       const Tail& tail) {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    const int64_t end = e.outer * C;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) { chunk(j, group, r0, r1); });
+      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
+        if (from_memory)
+          for (int64_t o = r0; o < r1; ++o)
+            for (int g = 0; g < decltype(group)::value; ++g) prefetch_ahead(x, o * C + c0 + j + g * K, kRowRun * C, end);
+        chunk(j, group, r0, r1);
+      });
       for (int64_t o = r0; o < r1; ++o)
         for (int64_t j = vec_end; j < nc; ++j) tail(static_cast<acc_t>(x[o * C + c0 + j]), j);
     }
@@ -158,7 +188,7 @@ struct RowReductions {
         mx[q].store(max_abs + j + q * W);
       }
     };
-    for_runs(x, e, blk, chunk, [&](acc_t a, int64_t j) {
+    for_runs(x, e, blk, /*from_memory=*/true, chunk, [&](acc_t a, int64_t j) {
       sx.add(j, a);
       max_abs[j] = std::max(max_abs[j], std::abs(a));
     });
@@ -189,9 +219,11 @@ struct RowReductions {
     const int64_t C = e.channels;
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     alignas(64) acc_t run[kColumnBlock];
+    const int64_t end = e.outer * C;
     auto row = [&](int64_t o, bool first) {
       for (int64_t j = 0; j < vec_end; j += K) {
         Vec v[P];
+        prefetch_ahead(x, o * C + c0 + j, kRowAhead, end);
         IO::load(x + o * C + c0 + j, v);
         for (int q = 0; q < P; ++q) {
           acc_t* a = run + j + q * W;
@@ -246,7 +278,7 @@ struct RowReductions {
       }
       for (int q = 0; q < N; ++q) sd.add_nonnegative(j + q * W, a[q]);
     };
-    for_runs(x, e, blk, chunk, [&](acc_t a, int64_t j) {
+    for_runs(x, e, blk, /*from_memory=*/false, chunk, [&](acc_t a, int64_t j) {
       const acc_t d = a - centre[j];
       add_exact_nonnegative(sd.sum[j], sd.err[j], d * d);
     });
@@ -343,9 +375,12 @@ struct RowReductions {
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
     alignas(64) acc_t run_dy[kColumnBlock];
     alignas(64) acc_t run_dy_xc[kColumnBlock];
+    const int64_t end = e.outer * C;
     auto row = [&](int64_t o, bool first) {
       for (int64_t j = 0; j < vec_end; j += K) {
         const int64_t off = o * C + c0 + j;
+        prefetch_ahead(dy, off, kRowAhead, end);
+        prefetch_ahead(x, off, kRowAhead, end);
         Vec xv[P], dv[P];
         IO::load(dy + off, dv);
         IO::load(x + off, xv);
