@@ -148,9 +148,8 @@ struct PlaneKernels {
   // then the next row's), at most a row on: the hardware prefetchers left
   // the loads waiting, as in the row kernels (row_reductions.h). Measured
   // here (2 threads, old and new builds in alternating processes): forward
-  // 0.79x-0.86x the time on NCHW 56x56 planes (float32, float16, bfloat16),
-  // level on 112x112; half-precision backward 0.72x-0.93x on 56x56 and
-  // 112x112. Requesting past the row's end (another channel's plane, which
+  // 0.67x-0.86x the time on NCHW 56x56 and 112x112 planes (float32, float16,
+  // bfloat16; float32 112x112 level), half-precision backward 0.72x-0.97x. Requesting past the row's end (another channel's plane, which
   // this thread does not read next) had made the float32 56x56 backward
   // 1.15x-1.25x.
   static constexpr int64_t kLongRowAheadBytes = 8192;

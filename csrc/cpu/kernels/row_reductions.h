@@ -75,12 +75,14 @@ struct RowReductions {
   // on the instructions after two loads). Walking rows, each chunk asks for
   // the line kRowAheadBytes on in each stream; walking chunks of kRowRun
   // rows, each chunk group asks for the same columns of the next run's rows.
-  // Measured here (2 threads, in one process alternating with and without,
-  // min and median of 100 calls): backward 0.85x-0.95x the time on
-  // channels_last 128-1024 channels and 4096x1024 (float32, float16,
-  // bfloat16), forward 0.92x-0.95x on 1024-channel rows of float32; rows
-  // cut into column blocks (2048 channels) and the second statistics pass
-  // (block in cache) were level, the chunk walk of the grad sums mixed.
+  // Measured here (2 threads, old and new builds in alternating processes):
+  // backward 0.55x-0.67x the time on channels_last half precision of
+  // 256-1024 channels and 4096x1024 float16, 0.83x-0.87x on float32 of
+  // 128-1024 channels; forward 0.87x on 1024-channel rows of float32,
+  // 0.86x on 32x256x56x56 float16. Rows cut into column blocks (2048
+  // channels) and 64-channel rows were level, and so were requests in the
+  // second statistics pass (block in cache), the elementwise pass and the
+  // chunk walk of the grad sums (in one process, with and without).
   static constexpr int64_t kRowAheadBytes = 8192;
   static constexpr int64_t kRowAhead = kRowAheadBytes / static_cast<int64_t>(sizeof(T));
   // Requests the line `ahead` elements on from p + off when it lies before p + end.
