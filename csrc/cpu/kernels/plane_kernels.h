@@ -144,19 +144,18 @@ struct PlaneKernels {
   }
 
   // Long rows, read by a pass from memory (Pass::kFromMemory), request the
-  // segment kLongRowAheadBytes on in the block's walk (this row's elements,
-  // then the next row's), at most a row on: the hardware prefetchers left
-  // the loads waiting, as in the row kernels (row_reductions.h). Measured
-  // here (2 threads, old and new builds in alternating processes): forward
-  // 0.67x-0.86x the time on NCHW 56x56 and 112x112 planes (float32, float16,
-  // bfloat16; float32 112x112 level), half-precision backward 0.72x-0.97x. Requesting past the row's end (another channel's plane, which
-  // this thread does not read next) had made the float32 56x56 backward
-  // 1.15x-1.25x.
-  static constexpr int64_t kLongRowAheadBytes = 8192;
+  // segment kPrefetchAheadBytes (vec_io.h) on in the block's walk (this
+  // row's elements, then the next row's), at most a row on, as the row
+  // kernels do (row_reductions.h). Measured here (2 threads, old and new
+  // builds in alternating processes): forward 0.67x-0.86x the time on NCHW
+  // 56x56 and 112x112 planes (float32, float16, bfloat16; float32 112x112
+  // level), half-precision backward 0.72x-0.97x. Requesting past the row's
+  // end (another channel's plane, which this thread does not read next) had
+  // made the float32 56x56 backward 1.15x-1.25x.
   C10_ALWAYS_INLINE static void prefetch_walk_ahead(const Extent& e, const Block& blk, int64_t o, int64_t row,
                                                     int64_t j, int64_t len, const T* a, const T* b) {
     const int64_t n = blk.s1 - blk.s0;
-    int64_t at = j + std::min<int64_t>(kLongRowAheadBytes / static_cast<int64_t>(sizeof(T)), n);
+    int64_t at = j + std::min<int64_t>(kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), n);
     int64_t base = row;
     if (at >= n) {
       if (o + 1 >= blk.o1) return;

@@ -4,8 +4,6 @@
 // and each channel's compensated sums (exact_sum.h) are kept in L1.
 #pragma once
 
-#include <c10/macros/Macros.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -73,7 +71,7 @@ struct RowReductions {
   // hardware prefetchers left those loads waiting (a profile of the grad
   // sums of 32x1024x14x14 channels_last float16 had a third of its samples
   // on the instructions after two loads). Walking rows, each chunk asks for
-  // the line kRowAheadBytes on in each stream; walking chunks of kRowRun
+  // the line kPrefetchAheadBytes (vec_io.h) on in each stream; walking chunks of kRowRun
   // rows, each chunk group asks for the same columns of the next run's rows.
   // Measured here (2 threads, old and new builds in alternating processes):
   // backward 0.55x-0.67x the time on channels_last half precision of
@@ -83,12 +81,7 @@ struct RowReductions {
   // channels) and 64-channel rows were level, and so were requests in the
   // second statistics pass (block in cache), the elementwise pass and the
   // chunk walk of the grad sums (in one process, with and without).
-  static constexpr int64_t kRowAheadBytes = 8192;
-  static constexpr int64_t kRowAhead = kRowAheadBytes / static_cast<int64_t>(sizeof(T));
-  // Requests the line `ahead` elements on from p + off when it lies before p + end.
-  C10_ALWAYS_INLINE static void prefetch_ahead(const T* p, int64_t off, int64_t ahead, int64_t end) {
-    if (off + ahead < end) __builtin_prefetch(p + off + ahead, 0, 3);
-  }
+  static constexpr int64_t kRowAhead = kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T));
 
   // The block's (count, mean, m2) partial of each of its channels: pass 1
   // takes the exact sums of x and max |x| per column, pass 2 (block in
@@ -153,7 +146,7 @@ struct RowReductions {
       for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
         if (from_memory)
           for (int64_t o = r0; o < r1; ++o)
-            for (int g = 0; g < decltype(group)::value; ++g) prefetch_ahead(x, o * C + c0 + j + g * K, kRowRun * C, end);
+            for (int g = 0; g < decltype(group)::value; ++g) prefetch_line_ahead(x, o * C + c0 + j + g * K, kRowRun * C, end);
         chunk(j, group, r0, r1);
       });
       for (int64_t o = r0; o < r1; ++o)
@@ -225,7 +218,7 @@ struct RowReductions {
     auto row = [&](int64_t o, bool first) {
       for (int64_t j = 0; j < vec_end; j += K) {
         Vec v[P];
-        prefetch_ahead(x, o * C + c0 + j, kRowAhead, end);
+        prefetch_line_ahead(x, o * C + c0 + j, kRowAhead, end);
         IO::load(x + o * C + c0 + j, v);
         for (int q = 0; q < P; ++q) {
           acc_t* a = run + j + q * W;
@@ -381,8 +374,8 @@ struct RowReductions {
     auto row = [&](int64_t o, bool first) {
       for (int64_t j = 0; j < vec_end; j += K) {
         const int64_t off = o * C + c0 + j;
-        prefetch_ahead(dy, off, kRowAhead, end);
-        prefetch_ahead(x, off, kRowAhead, end);
+        prefetch_line_ahead(dy, off, kRowAhead, end);
+        prefetch_line_ahead(x, off, kRowAhead, end);
         Vec xv[P], dv[P];
         IO::load(dy + off, dv);
         IO::load(x + off, xv);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/OpMathType.h>
+#include <c10/macros/Macros.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -40,6 +41,18 @@ inline void prefetch_lines(const T* p, int64_t n) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p + n);
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~(kLine - 1); a < end; a += kLine)
     __builtin_prefetch(reinterpret_cast<const void*>(a), kWrite ? 1 : 0, 3);
+}
+
+// How far ahead the reductions that read memory as it comes (the
+// statistics' first pass, the grad sums) request their data: on this VM the
+// hardware prefetchers left those loads waiting (row_reductions.h and
+// plane_kernels.h say where the requests go and what they gained).
+constexpr int64_t kPrefetchAheadBytes = 8192;
+
+// Requests the line of p[off + ahead] when off + ahead < end.
+template <typename T>
+C10_ALWAYS_INLINE void prefetch_line_ahead(const T* p, int64_t off, int64_t ahead, int64_t end) {
+  if (off + ahead < end) __builtin_prefetch(p + off + ahead, 0, 3);
 }
 
 // Orders the streaming stores made so far before any later store: called
