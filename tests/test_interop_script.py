@@ -133,4 +133,44 @@ def test_trace_matches_torch(train: bool, momentum) -> None:
     assert_same_state(reference, ours)
     assert_same_state(traced_ref, traced)
     _steps(reference, traced)
-    assert "torch_bn_grad::batch_norm_forward" in str(traced.bn.graph) + str(traced.inlined_graph)
+    graph = str(traced.inlined_graph)
+    if train:  # training traces this library's operator
+        assert "torch_bn_grad::batch_norm_forward" in graph and "aten::batch_norm" not in graph
+    else:  # eval traces torch's, which TorchScript's inference passes fold (test_freeze_folds_traced_eval)
+        assert "aten::batch_norm" in graph and "torch_bn_grad::" not in graph
+
+
+def _batch_norm_nodes(module: torch.jit.ScriptModule) -> list[str]:
+    return [n.kind() for n in module.inlined_graph.nodes() if "batch_norm" in n.kind()]
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
+def test_freeze_folds_traced_eval(fuse: bool) -> None:
+    """torch.jit.freeze and optimize_for_inference fold every BatchNorm of a model traced in
+    eval mode into the layer before it, as they fold torch's: same graph, same outputs."""
+    reference, _ = twins()
+    ours = torch_bn_grad.convert_batchnorm(_copy(reference), fuse=fuse).eval()
+    x = example_input(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(ours, x)
+        traced_ref = torch.jit.trace(reference, x)
+    for optimize in (torch.jit.freeze, torch.jit.optimize_for_inference):
+        folded, folded_ref = optimize(traced), optimize(traced_ref)
+        assert _batch_norm_nodes(folded_ref) == []
+        assert _batch_norm_nodes(folded) == []
+        with torch.no_grad():
+            torch.testing.assert_close(folded(x), folded_ref(x))
+            torch.testing.assert_close(folded(x), reference(x))
+
+
+def test_freeze_keeps_scripted_batchnorm() -> None:
+    """A scripted model keeps this library's operator under torch.jit.freeze (its training
+    branch updates the running statistics in place, so freeze keeps them as attributes and
+    cannot fold them: README's limitation); the frozen model still gives torch's outputs."""
+    reference, ours = twins()
+    frozen = torch.jit.freeze(torch.jit.script(ours))
+    assert "torch_bn_grad::batch_norm_forward" in _batch_norm_nodes(frozen)
+    x = example_input(12)
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(x), reference(x))

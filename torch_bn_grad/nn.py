@@ -32,9 +32,17 @@ class _FusedForward:
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
             )
-        if _compat.in_onnx_export():  # the exporters translate torch's batch norm (see _onnx.py)
+        if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
         return self._normalize(input, *self._statistics())
+
+    def _runs_torch_forward(self) -> bool:
+        """Whether the forward is torch's ``_BatchNorm.forward``, for the graph
+        tools that recognize only torch's batch norm: the ONNX exporters, which
+        translate it (see _onnx.py), and ``torch.jit.trace`` in eval mode, whose
+        ``aten::batch_norm`` ``torch.jit.freeze`` and ``optimize_for_inference``
+        fold into a preceding convolution (as scripted modules do, _script.py)."""
+        return _compat.in_onnx_export() or (not self.training and torch.jit.is_tracing())
 
     def _statistics(self) -> tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]:
         """What ``_BatchNorm.forward`` normalizes with, counting this batch in
@@ -190,7 +198,7 @@ class _ActForward(_FusedForward):
             if residual is not None:
                 y = y + residual
             return _activation.activate(y, self.activation, self.negative_slope)
-        if _compat.in_onnx_export():  # torch's batch norm for the exporters, then the add and activation
+        if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
             y = _BatchNorm.forward(self, input)
             if residual is not None:
                 y = y + residual
