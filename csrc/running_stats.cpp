@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "cpu/kernels/kernel_table.h"
+
 #include <cmath>
 #include <optional>
 
@@ -21,14 +23,6 @@ double bessel_factor(int64_t count) {
   return count > 1 ? static_cast<double>(count) / static_cast<double>(count - 1) : 1.0;
 }
 
-// at::lerp's formula (ATen/native/Lerp.h), fused as its vectorized CPU kernel
-// fuses it, so that small and large channel counts round alike.
-template <typename T>
-T lerp(T start, T end, T weight) {
-  const bool near_start = std::abs(weight) < T(0.5);
-  return std::fma(near_start ? weight : weight - T(1), end - start, near_start ? start : end);
-}
-
 bool plain_loop_applies(const at::Tensor& running, const at::Tensor& batch) {
   return running.is_cpu() && batch.is_cpu() && running.is_contiguous() && batch.is_contiguous() &&
          running.scalar_type() == batch.scalar_type() &&
@@ -37,14 +31,8 @@ bool plain_loop_applies(const at::Tensor& running, const at::Tensor& batch) {
 }
 
 void update_one(const at::Tensor& running, const at::Tensor& batch, double factor, double momentum) {
-  if (plain_loop_applies(running, batch)) {
-    AT_DISPATCH_FLOATING_TYPES(running.scalar_type(), "batch_norm_update_running_stats", [&] {
-      scalar_t* r = running.mutable_data_ptr<scalar_t>();
-      const scalar_t* b = batch.const_data_ptr<scalar_t>();
-      const auto w = static_cast<scalar_t>(momentum);
-      const auto f = static_cast<scalar_t>(factor);
-      for (int64_t k = 0; k < running.numel(); ++k) r[k] = lerp(r[k], factor == 1.0 ? b[k] : b[k] * f, w);
-    });
+  if (plain_loop_applies(running, batch)) {  // one loop, in the CPU kernels (lerp with at::lerp's roundings)
+    cpu::kernel_table().update_running(running, batch, factor, momentum);
     return;
   }
   const at::Tensor value = factor == 1.0 ? batch : batch * factor;

@@ -36,6 +36,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -103,6 +104,15 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
   affine_all<T>(b, x, dy, dx, e, coefficients);
 }
 
+// ---------------------------------------------------------------- running statistics
+// at::lerp's formula (ATen/native/Lerp.h), fused as its vectorized CPU kernel
+// fuses it, so that small and large channel counts round alike.
+template <typename T>
+T lerp(T start, T end, T weight) {
+  const bool near_start = std::abs(weight) < T(0.5);
+  return std::fma(near_start ? weight : weight - T(1), end - start, near_start ? start : end);
+}
+
 // ---------------------------------------------------------------- entry points
 #define TBG_DISPATCH(tensor, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
@@ -130,6 +140,19 @@ void backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& dif
     backward_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
                             diff_src.defined() ? diff_src.mutable_data_ptr<scalar_t>() : nullptr, e, mean, nullptr,
                             var, gamma, epsilon, training, diff_gamma, diff_beta);
+  });
+}
+
+void update_running(const at::Tensor& running, const at::Tensor& batch, double factor, double weight) {
+  AT_DISPATCH_FLOATING_TYPES(running.scalar_type(), "update_running", [&] {
+    scalar_t* r = running.mutable_data_ptr<scalar_t>();
+    const scalar_t* b = batch.const_data_ptr<scalar_t>();
+    const auto w = static_cast<scalar_t>(weight);
+    const auto f = static_cast<scalar_t>(factor);
+    // b * f rounded on its own, as at::mul rounds it: written as a plain
+    // product, GCC (with -mfma) fused it into lerp's subtraction.
+    for (int64_t k = 0; k < running.numel(); ++k)
+      r[k] = lerp(r[k], factor == 1.0 ? b[k] : std::fma(b[k], f, scalar_t(-0.0)), w);
   });
 }
 
@@ -161,7 +184,7 @@ const KernelTable& TBG_CONCAT(kernel_table_, CPU_CAPABILITY)() {
   static const KernelTable table{
       &CPU_CAPABILITY::forward_batch, &CPU_CAPABILITY::forward_frozen, &CPU_CAPABILITY::backward,
       &CPU_CAPABILITY::batch_moments, &CPU_CAPABILITY::grad_sums,
-      &CPU_CAPABILITY::grad_input,    TBG_STR(CPU_CAPABILITY)};
+      &CPU_CAPABILITY::grad_input,    &CPU_CAPABILITY::update_running, TBG_STR(CPU_CAPABILITY)};
   return table;
 }
 

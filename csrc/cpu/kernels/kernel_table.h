@@ -37,6 +37,12 @@ struct KernelTable {
   void (*grad_input)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
                      const double* mean, const double* var, const double* gamma, const double* count,
                      const double* grad_sums, double epsilon);
+  // The running-statistics update of batch_norm_update_running_stats on
+  // contiguous float32 or float64 vectors of one dtype: running <-
+  // lerp(running, batch * factor, weight) (factor 1: batch as it is), with
+  // at::lerp's roundings. Here so that its fused multiply-add is an
+  // instruction, not a libm call per value.
+  void (*update_running)(const at::Tensor& running, const at::Tensor& batch, double factor, double weight);
   const char* isa;
 };
 
