@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #include "batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
@@ -33,9 +33,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
   const Extent e = plan.extent();
   const int64_t C = plan.channels;
-  // Per-channel float64 vectors: gamma, beta, mean, variance.
-  std::vector<double> host(4 * C);
-  double *gamma_d = host.data(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C;
+  // Per-channel float64 vectors: gamma, beta, mean, variance; each is set
+  // before it is read, so they are left uninitialized (zeroing them was a
+  // tenth of a 2x4096 forward's kernel time).
+  const auto host = std::make_unique_for_overwrite<double[]>(4 * C);
+  double *gamma_d = host.get(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C;
   load_kernel_channels(gamma, plan, 1, src, gamma_d);
   load_kernel_channels(beta, plan, 0, src, beta_d);
   KernelOutput out = make_kernel_output(src, plan, output_allocator());
@@ -71,14 +73,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   const auto stats_dtype = mean.scalar_type();
   const int64_t C = plan.channels;
   // Per-channel float64 vectors: mean, variance, gamma, diff_gamma, diff_beta.
-  // The kernel writes every channel's sums; only an empty src leaves them at zero.
-  std::vector<double> host(5 * C, 0.0);
-  double *mean_d = host.data(), *var_d = mean_d + C, *gamma_d = var_d + C, *diff_gamma_d = gamma_d + C,
+  // The kernel writes every channel's sums; zeroed only where it does not run
+  // (an empty src's parameter gradients are zeros).
+  const bool runs = src.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2]);
+  const auto host = runs ? std::make_unique_for_overwrite<double[]>(5 * C) : std::make_unique<double[]>(5 * C);
+  double *mean_d = host.get(), *var_d = mean_d + C, *gamma_d = var_d + C, *diff_gamma_d = gamma_d + C,
          *diff_beta_d = diff_gamma_d + C;
   KernelOutput out;
   if (output_mask[0]) out = make_kernel_output(src, plan, output_allocator());
 
-  if (src.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2])) {
+  if (runs) {
     load_kernel_channels(mean, plan, 0, src, mean_d);
     load_kernel_channels(variance, plan, 0, src, var_d);
     load_kernel_channels(gamma, plan, 1, src, gamma_d);

@@ -27,7 +27,9 @@ namespace torch_bn_grad::math {
 // sqrt of every lane: correctly rounded, as the scalar sqrt.
 template <>
 struct LaneMath<at::vec::Vectorized<double>> {
-  static at::vec::Vectorized<double> sqrt(const at::vec::Vectorized<double>& x) { return x.sqrt(); }
+  using V = at::vec::Vectorized<double>;
+  static V sqrt(const V& x) { return x.sqrt(); }
+  static V nonnegative(const V& x) { return V::blendv(x, V(0.0), x < V(0.0)); }
 };
 }  // namespace torch_bn_grad::math
 
@@ -57,12 +59,15 @@ void for_each_group_in(int64_t k0, int64_t k1, const F& f) {
 
 // Runs f(ChannelGroup) on every group of kLanes channels (the last one
 // shorter), in parallel when the channels' partials are many (merging a
-// wide layer's partials serially cost a 2048-channel forward a quarter of
-// its time). Groups are independent, so the results do not depend on the
+// 32x2048x7x7 forward's 8192 partials serially cost it a quarter of its
+// time; 16384 took that case 1.2x-1.3x), on the calling thread below that:
+// a parallel region costs more than the work it shares on 4096 (2x4096 and
+// 8x4096 float32 backward 0.6x and 0.8x the time serially, same process, 2
+// threads). Groups are independent, so the results do not depend on the
 // schedule.
 template <typename F>
 void for_each_channel_group(const Blocks& b, const Extent& e, const F& f) {
-  constexpr int64_t kSerialPartials = 4096;
+  constexpr int64_t kSerialPartials = 8192;
   const int64_t groups = ceil_div(e.channels, kLanes);
   const int64_t partials = e.channels * b.per_channel();
   const int64_t grain = partials < kSerialPartials ? groups + 1 : std::max<int64_t>(1, groups / 64);

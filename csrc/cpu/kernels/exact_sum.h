@@ -149,6 +149,26 @@ inline acc_t exact_centre(double mean, double max_abs) {
   return static_cast<acc_t>(std::nearbyint(mean * inverse) * spacing);
 }
 
+// exact_centre of a vector of channels (means and max |x| as float64 lanes),
+// lane for lane the float64 value the scalar form rounds to acc_t (the
+// caller rounds it): max_abs with its mantissa cleared is 2^(e-1), the
+// spacing 2^(e - digits) that times 2^(1 - digits), its inverse 1 / spacing;
+// powers of two, so every product is exact as in the scalar form. Lanes the
+// scalar form returns `mean` for (non-finite, zero or subnormal-scale
+// max_abs, non-finite mean) get `mean`.
+template <typename acc_t>
+inline at::vec::Vectorized<double> exact_centre_lanes(const at::vec::Vectorized<double>& mean,
+                                                      const at::vec::Vectorized<double>& max_abs) {
+  using VecD = at::vec::Vectorized<double>;
+  constexpr int kDigits = std::numeric_limits<acc_t>::digits;
+  const VecD inf(std::numeric_limits<double>::infinity());  // the exponent bits' mask
+  // Spacing 2^-1022 or more, as the scalar form's spacing_biased >= 1.
+  const VecD valid = (max_abs >= VecD(std::ldexp(1.0, kDigits - 1023))) & (max_abs < inf) & (mean.abs() < inf);
+  const VecD spacing = (max_abs & inf) * VecD(std::ldexp(1.0, 1 - kDigits));
+  const VecD centre = (mean * (VecD(1.0) / spacing)).round() * spacing;
+  return VecD::blendv(mean, centre, valid);
+}
+
 }  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu

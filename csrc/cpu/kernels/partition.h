@@ -311,6 +311,7 @@ struct Partials {
   }
   // Field f of slot `slot`, every channel.
   const double* field(int64_t slot, int f) const { return data.get() + (slot * kFields + f) * channels; }
+  double* field(int64_t slot, int f) { return data.get() + (slot * kFields + f) * channels; }
 };
 
 }  // namespace

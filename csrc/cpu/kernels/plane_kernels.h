@@ -294,7 +294,7 @@ struct PlaneKernels {
     const acc_t centre = exact_centre<acc_t>(sum_x / count, first.max_all());
     SquaresPass<G> second(x, centre);
     walk_plane_rows(e, blk, x, nullptr, second);
-    out.set(blk.channel, blk.slot, math::centred_moments(count, sum_x, centre, second.sums.total(0)));
+    out.set(blk.channel, blk.slot, math::centred_moments<double>(count, sum_x, centre, second.sums.total(0)));
   }
 
   // The block's exact sum(dy) and sum(dy * (x - mean)); with an epilogue,
