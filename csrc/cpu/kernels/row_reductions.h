@@ -250,7 +250,7 @@ struct RowReductions {
   // Whether pass 1 walks the block row by row (sum_max_by_rows): half
   // precision (chunks of one line, walked one at a time: a run reads one
   // line of each of 8 rows, whose misses the loads wait on), whole rows of
-  // 512 bytes or more (as grad_sums_walk_rows), and a tensor that comes from
+  // 512 bytes or more (whole_wide_rows), and a tensor that comes from
   // memory rather than the L3. Measured here (2 threads, old and new walks in
   // alternating processes, bitwise equal): channels_last forward of
   // 32x256x56x56 float16 / bfloat16 0.72x-0.78x the time, 32x512x28x28
@@ -260,7 +260,7 @@ struct RowReductions {
   // (whose chunk groups already read four lines of each row) level to 1.3x.
   static constexpr int64_t kStatsRowWalkBytes = int64_t{12} << 20;
   static bool stats_walk_rows(const Extent& e, const Block& blk) {
-    return P > 1 && grad_sums_walk_rows(e, blk) &&
+    return P > 1 && whole_wide_rows(e, blk) &&
            e.outer * e.channels * e.inner * static_cast<int64_t>(sizeof(T)) >= kStatsRowWalkBytes;
   }
 
@@ -370,19 +370,39 @@ struct RowReductions {
       out.set(k0 + i, blk.slot, {segment_total(sum_dy, j, span), segment_total(sum_dy_xc, j, span)});
   }
 
-  // Whether the grad sums walk the block row by row (grad_sums_by_rows): its
-  // rows are whole rows of 512 bytes or more. By chunks, a run reads one
-  // 64-byte line of each of 8 rows of two tensors, 16 streams that starved
-  // the loads (half of the grad sums' samples on the load of 4096x1024
-  // float32). Measured here (2 threads, A/B in one process, bitwise equal):
-  // backward 0.86x the time on 4096x1024 float32 and float16, 0.89x-0.94x
-  // on channels_last 128-1024 channels; fused BN+ReLU+add fwd+bwd 0.82x-0.93x
-  // at 256-1024 channels. Rows cut into column blocks (2048 channels, 4 KB
-  // pieces of 8 KB rows) lost (1.07x), and so did rows of 64 bfloat16 (1.05x).
-  static bool grad_sums_walk_rows(const Extent& e, const Block& blk) {
+  // Whether the block's rows are whole rows of 512 bytes or more, the rows
+  // that the row walks (grad_sums_by_rows, sum_max_by_rows) can take.
+  static bool whole_wide_rows(const Extent& e, const Block& blk) {
     constexpr int64_t kMinRowBytes = 512;
     return blk.s0 == 0 && blk.s1 == e.channels && e.channels * static_cast<int64_t>(sizeof(T)) >= kMinRowBytes &&
            e.channels - e.channels % K > kGroup * K;
+  }
+
+  // Whether the grad sums walk the block row by row (grad_sums_by_rows):
+  // whole wide rows of a tensor that streams from memory (32 MB or more,
+  // this machine's L3), or of more than 8 MB with rows under 4 KB. By
+  // chunks, a run reads one 64-byte line of each of 8 rows of two tensors,
+  // 16 streams that starved the loads of large tensors (half of the grad
+  // sums' samples on the load of 4096x1024 float32, before the chunk walk's
+  // prefetch), while by rows each chunk also loads and stores the run's sums
+  // in L1, which costs more than it saves on data the caches hold. Measured
+  // here (2 threads, in one process, 15 interleaved rounds, bitwise equal),
+  // by chunks over by rows: 0.78x-0.91x the time on tensors of 8 MB or less
+  // (64x1024 and 256x512 float32, channels_last 16x1024x7x7 and
+  // 32x256x14x14 float32, 4096x1024 float16), 0.87x / 0.955x on the 4 KB
+  // rows of 4096x1024 (16 MB) and channels_last 32x1024x14x14 (25.7 MB)
+  // float32; but 1.07x-1.15x on 12.8 MB layers of 512 B to 2 KB rows
+  // (channels_last 32x128x28x28 and 16x256x28x28 float32, 32x256x28x28 and
+  // 32x1024x14x14 bfloat16), and 1.12x-1.15x on 51 MB ones (channels_last
+  // 32x512x28x28 float32, 32x256x56x56 bfloat16; separate processes). When
+  // the row walk came (A/B in one process): backward 0.89x-0.94x on
+  // channels_last 128-1024 channels, fused BN+ReLU+add fwd+bwd 0.82x-0.93x
+  // at 256-1024 channels. Rows cut into column blocks (2048 channels, 4 KB
+  // pieces of 8 KB rows) lost (1.07x), and so did rows of 64 bfloat16 (1.05x).
+  static bool grad_sums_walk_rows(const Extent& e, const Block& blk) {
+    constexpr int64_t kStreamBytes = int64_t{32} << 20, kRowWalkBytes = int64_t{8} << 20, kChunkRowBytes = 4096;
+    const int64_t row_bytes = e.channels * static_cast<int64_t>(sizeof(T)), bytes = e.outer * row_bytes;
+    return whole_wide_rows(e, blk) && (bytes >= kStreamBytes || (bytes > kRowWalkBytes && row_bytes < kChunkRowBytes));
   }
 
   // The grad sums by chunks: for each run of kRowRun rows, chunk by chunk
