@@ -89,6 +89,17 @@ def in_onnx_export() -> bool:
     return _ONNX_FLAGS[0].in_onnx_export or _ONNX_FLAGS[1]._is_onnx_exporting
 
 
+_TRACING_STATE = getattr(torch._C, "_get_tracing_state", None)
+
+
+def jit_tracing() -> bool:
+    """``torch.jit.is_tracing()`` without its Python frame (on every eval
+    forward: 0.1 us of its 0.12); dynamo folds both to False."""
+    if _TRACING_STATE is None:
+        return torch.jit.is_tracing()
+    return _TRACING_STATE() is not None
+
+
 # ------------------------------------------------------------------ optional private APIs
 # The features below are optional: where torch lacks what they need, the feature
 # is off (with a warning, said by its module) and the rest of the library works.

@@ -42,7 +42,7 @@ class _FusedForward:
         translate it (see _onnx.py), and ``torch.jit.trace`` in eval mode, whose
         ``aten::batch_norm`` ``torch.jit.freeze`` and ``optimize_for_inference``
         fold into a preceding convolution (as scripted modules do, _script.py)."""
-        return _compat.in_onnx_export() or (not self.training and torch.jit.is_tracing())
+        return _compat.in_onnx_export() or (not self.training and _compat.jit_tracing())
 
     def _statistics(self) -> tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]:
         """What ``_BatchNorm.forward`` normalizes with, counting this batch in
