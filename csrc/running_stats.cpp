@@ -10,10 +10,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu/kernels/kernel_table.h"
-
 #include <cmath>
 #include <optional>
+
+#include "cpu/kernels/kernel_table.h"
 
 namespace torch_bn_grad {
 namespace {

@@ -41,7 +41,8 @@ class _FusedForward:
         tools that recognize only torch's batch norm: the ONNX exporters, which
         translate it (see _onnx.py), and ``torch.jit.trace`` in eval mode, whose
         ``aten::batch_norm`` ``torch.jit.freeze`` and ``optimize_for_inference``
-        fold into a preceding convolution (as scripted modules do, _script.py)."""
+        fold into a preceding convolution (scripted modules keep this library's
+        operator, _script.py)."""
         return _compat.in_onnx_export() or (not self.training and _compat.jit_tracing())
 
     def _statistics(self) -> tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]:

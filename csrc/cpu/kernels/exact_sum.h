@@ -16,7 +16,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -130,43 +129,32 @@ C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N],
 // max_abs comes from a plain (not NaN-propagating) max: a NaN element makes
 // the sum, and so `mean`, NaN, which is returned as it is.
 //
-// Taken once per channel and block, so it works on the float64 bits rather
-// than calling frexp/ldexp/round: spacing = 2^(e - digits) where max_abs is
-// in [2^(e-1), 2^e).
-template <typename acc_t>
-inline acc_t exact_centre(double mean, double max_abs) {
-  if (!std::isfinite(mean) || !std::isfinite(max_abs) || max_abs == 0) return static_cast<acc_t>(mean);
-  constexpr int kDigits = std::numeric_limits<acc_t>::digits;
-  uint64_t bits;
-  std::memcpy(&bits, &max_abs, sizeof bits);
-  const int biased = static_cast<int>((bits >> 52) & 0x7ff);  // max_abs in [2^(biased-1023), 2^(biased-1022))
-  const int spacing_biased = biased + 1 - kDigits;             // the biased exponent of 2^(e - digits)
-  if (biased == 0 || spacing_biased < 1) return static_cast<acc_t>(mean);  // subnormal scale: any centre is exact
-  uint64_t up = static_cast<uint64_t>(spacing_biased) << 52, down = static_cast<uint64_t>(2046 - spacing_biased) << 52;
-  double spacing, inverse;
-  std::memcpy(&spacing, &up, sizeof spacing);
-  std::memcpy(&inverse, &down, sizeof inverse);  // 2^-(e - digits), exact
-  return static_cast<acc_t>(std::nearbyint(mean * inverse) * spacing);
-}
-
-// exact_centre of a vector of channels (means and max |x| as float64 lanes),
-// lane for lane the float64 value the scalar form rounds to acc_t (the
-// caller rounds it): max_abs with its mantissa cleared is 2^(e-1), the
-// spacing 2^(e - digits) that times 2^(1 - digits), its inverse 1 / spacing;
-// powers of two, so every product is exact as in the scalar form. Lanes the
-// scalar form returns `mean` for (non-finite, zero or subnormal-scale
-// max_abs, non-finite mean) get `mean`.
+// A vector of channels at a time (means and max |x| as float64 lanes), each
+// lane the float64 value the caller rounds to acc_t: with max_abs in
+// [2^(e-1), 2^e), max_abs with its mantissa cleared is 2^(e-1), the spacing
+// 2^(e - digits) that times 2^(1 - digits), its inverse 1 / spacing; powers
+// of two, so every product is exact. Lanes whose spacing would be subnormal
+// (zero or tiny max_abs), and non-finite ones, get `mean`.
 template <typename acc_t>
 inline at::vec::Vectorized<double> exact_centre_lanes(const at::vec::Vectorized<double>& mean,
                                                       const at::vec::Vectorized<double>& max_abs) {
   using VecD = at::vec::Vectorized<double>;
   constexpr int kDigits = std::numeric_limits<acc_t>::digits;
   const VecD inf(std::numeric_limits<double>::infinity());  // the exponent bits' mask
-  // Spacing 2^-1022 or more, as the scalar form's spacing_biased >= 1.
   const VecD valid = (max_abs >= VecD(std::ldexp(1.0, kDigits - 1023))) & (max_abs < inf) & (mean.abs() < inf);
   const VecD spacing = (max_abs & inf) * VecD(std::ldexp(1.0, 1 - kDigits));
   const VecD centre = (mean * (VecD(1.0) / spacing)).round() * spacing;
   return VecD::blendv(mean, centre, valid);
+}
+
+// One channel's centre (the plane kernels' blocks, segment rows): lane 0 of
+// exact_centre_lanes, rounded to acc_t.
+template <typename acc_t>
+inline acc_t exact_centre(double mean, double max_abs) {
+  using VecD = at::vec::Vectorized<double>;
+  alignas(64) double lanes[VecD::size()];
+  exact_centre_lanes<acc_t>(VecD(mean), VecD(max_abs)).store(lanes);
+  return static_cast<acc_t>(lanes[0]);
 }
 
 }  // namespace

@@ -122,7 +122,7 @@ struct RowReductions {
   }
 
   // The per-column work of stats (one column a channel) a vector of float64
-  // lanes at a time, lane for lane the scalar form's values: on layers of
+  // lanes at a time, lane for lane the values of the one-channel forms: on layers of
   // many channels and few rows it was most of the statistics' time (a
   // 2x4096 float32 forward: exact_centre and centred_moments one column at a
   // time, 5 ns a column). Columns [j, j + n) of acc_t (or float64) arrays as
