@@ -207,7 +207,10 @@ struct PlaneKernels {
       Vec v[P];
       if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
-        add_exact(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
+        // Full chunks come in segments of long rows (walk_plane_rows): there
+        // the FMA ports share TwoSum's adds (exact_sum.h).
+        add_exact<std::is_same_v<L, std::integral_constant<int64_t, K>>>(sums.sum[0][c + q], sums.err[0][c + q],
+                                                                          v[q]);
         max_abs[c + q] = at::vec::clamp_min(v[q].abs(), max_abs[c + q]);
       }
     }
