@@ -93,7 +93,7 @@ void backward_impl_act(ActBackwardArgs& a) {
     backward_impl<T>(x, dy, dx, e, mean, nullptr, var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
   } else {
     AffineTable<acc_t> forward(e.channels);
-    forward_affine_table(forward, e, mean, var, gamma, beta, a.epsilon, false);
+    forward_affine_table(forward, 0, e.channels, mean, var, gamma, beta, a.epsilon, false);
     InputGate<T, Act> gate;
     gate.forward = forward.arrays();
     gate.r = r;

@@ -135,15 +135,15 @@ void set_forward_affine(AffineTable<A>& co, const ChannelGroup& g, const VecD& m
   co.set(g, mean, math::BackwardCoefficients<VecD>{VecD(residual ? 1.0 : 0.0), f.scale, f.shift});
 }
 
-// The forward coefficients of every channel from given statistics (frozen,
-// or recomputed by a backward that needs the forward's values bit for bit).
+// The forward coefficients of channels [k0, k1) from given statistics
+// (frozen, or recomputed by a backward that needs the forward's values bit
+// for bit).
 template <typename A>
-void forward_affine_table(AffineTable<A>& co, const Extent& e, const double* mean, const double* var,
+void forward_affine_table(AffineTable<A>& co, int64_t k0, int64_t k1, const double* mean, const double* var,
                           const double* gamma, const double* beta, double eps, bool residual) {
-  for (int64_t k = 0; k < e.channels; k += kLanes) {
-    const ChannelGroup g{k, std::min(kLanes, e.channels - k)};
+  for_each_group_in(k0, k1, [&](const ChannelGroup& g) {
     set_forward_affine(co, g, g.load(mean), g.load(var), gamma, beta, eps, residual);
-  }
+  });
 }
 
 }  // namespace

@@ -130,6 +130,11 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
     for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, normalize);
     return;
   }
+  if (column_block_strategy(b)) {
+    for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
+                          normalize);
+    return;
+  }
   for_each_reduction_block(red, reduce);
   for_each_channel_group(red.blocks, e, finish);
   affine_after_reduction<T>(b, x, r, y, e, coefficients, ep);
@@ -140,8 +145,16 @@ void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const do
                          const double* gamma, const double* beta, double eps, const E& ep = E{}) {
   using acc_t = at::opmath_type<T>;
   AffineTable<acc_t> co(e.channels);
-  forward_affine_table(co, e, mean, var, gamma, beta, eps, r != nullptr);
-  affine_all<T>(Blocks(e), x, r, y, e, co.arrays(), ep);
+  const Blocks b(e);
+  auto table = [&](int64_t k0, int64_t k1) { forward_affine_table(co, k0, k1, mean, var, gamma, beta, eps, r != nullptr); };
+  if (column_block_strategy(b)) {  // few rows: each thread sets, then applies, its blocks' channels
+    for_each_column_block(
+        b, e, [](const Block&) {}, table,
+        [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, co.arrays(), ep); });
+    return;
+  }
+  table(0, e.channels);
+  affine_all<T>(b, x, r, y, e, co.arrays(), ep);
 }
 
 // The kernel reads `x` about `centre`; `unit` (null: 1) relates it to the
@@ -192,6 +205,11 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     }
     if (per_channel_strategy(b, e, sizeof(T))) {
       for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
+      return;
+    }
+    if (column_block_strategy(b)) {
+      for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
+                            apply);
       return;
     }
   }

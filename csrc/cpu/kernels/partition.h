@@ -247,6 +247,37 @@ void for_each_channel(const Blocks& b, const Extent& e, const Reduce& reduce, co
   });
 }
 
+// Rows of few enough rows that every channel is one block's (Blocks has one
+// row block): a channel's partial is final where its block leaves it, so a
+// thread can reduce a column block, finish its channels and run its
+// elementwise pass while the block is in its L1, all in one parallel region,
+// instead of a region for the reduction, a serial finish of every channel
+// and a region for the pass.
+inline bool column_block_strategy(const Blocks& b) { return !b.planes && b.n_outer == 1; }
+
+// Runs reduce(block), finish(k0, k1) over its channels [k0, k1) and
+// apply(block) on each column block, threads taking contiguous ranges of them.
+// A channel's finish (float64 square roots and divisions) weighs about
+// kChannelElements elements in the serial threshold: few rows of many
+// channels are mostly per-channel work. Measured here (2 threads, one
+// process, variants and torch's module in random order, 2000 calls each),
+// module time with 16 over 0: 2x4096 training step 0.91x, eval 0.64x;
+// 4x2048 0.95x / 0.82x; larger layers run in parallel either way.
+template <typename Reduce, typename Finish, typename Apply>
+void for_each_column_block(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
+                           const Apply& apply) {
+  constexpr int64_t kChannelElements = 16;
+  const bool serial = e.outer * e.channels * e.inner + kChannelElements * e.channels < kSerialElements;
+  at::parallel_for(0, b.total, serial ? b.total + 1 : 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Block blk = block_at(b, e, i);
+      reduce(blk);
+      finish(blk.s0, blk.s1);
+      apply(blk);
+    }
+  });
+}
+
 // Channels a thread takes together in the backward when planes are short
 // (short_planes) and reduced as planes: it reduces their blocks, finishes
 // them, and runs their elementwise pass over each outer row's run of
