@@ -5,6 +5,7 @@ variants so that a noisy machine slows them alike."""
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from typing import Callable
@@ -20,10 +21,17 @@ def parse_args(doc: str) -> argparse.Namespace:
 
 def alternating_medians_us(steps: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
     """Median microseconds per call of each step over `iters` calls each, the
-    steps called in turn."""
+    steps called in turn, in a fresh (seeded) random order every turn: in a
+    fixed order one step always ran right after the other's parallel region,
+    while its OpenMP workers were still spinning or going to sleep, which
+    made one of two identical steps take up to 1.5x the other's time here."""
     times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    rng = random.Random(0)
     for _ in range(iters):
-        for name, step in steps.items():
+        rng.shuffle(order)
+        for name in order:
+            step = steps[name]
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
