@@ -257,18 +257,15 @@ inline bool column_block_strategy(const Blocks& b) { return !b.planes && b.n_out
 
 // Runs reduce(block), finish(k0, k1) over its channels [k0, k1) and
 // apply(block) on each column block, threads taking contiguous ranges of them.
-// A channel's finish (float64 square roots and divisions) weighs about
-// kChannelElements elements in the serial threshold: few rows of many
-// channels are mostly per-channel work. Measured here (2 threads, one
-// process, variants and torch's module in random order, 2000 calls each),
-// module time with 16 over 0: 2x4096 training step 0.91x, eval 0.64x;
-// 4x2048 0.95x / 0.82x; larger layers run in parallel either way.
+// The serial threshold counts elements only: weighing each channel's finish
+// as 16 elements put 2x4096 and 4x2048 on both threads, 0.64x-0.91x the time
+// while calls came back to back, but 1.5x-1.8x in eval when a call found the
+// pool's workers asleep (benchmarks/small_layers.py, torch's module between
+// calls).
 template <typename Reduce, typename Finish, typename Apply>
 void for_each_column_block(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
                            const Apply& apply) {
-  constexpr int64_t kChannelElements = 16;
-  const bool serial = e.outer * e.channels * e.inner + kChannelElements * e.channels < kSerialElements;
-  at::parallel_for(0, b.total, serial ? b.total + 1 : 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b.total, grain_for(e, b.total), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Block blk = block_at(b, e, i);
       reduce(blk);
