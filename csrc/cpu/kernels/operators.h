@@ -146,7 +146,9 @@ void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const do
   using acc_t = at::opmath_type<T>;
   AffineTable<acc_t> co(e.channels);
   const Blocks b(e);
-  auto table = [&](int64_t k0, int64_t k1) { forward_affine_table(co, k0, k1, mean, var, gamma, beta, eps, r != nullptr); };
+  auto table = [&](int64_t k0, int64_t k1) {
+    forward_affine_table(co, k0, k1, mean, var, gamma, beta, eps, r != nullptr);
+  };
   if (column_block_strategy(b)) {  // few rows: each thread sets, then applies, its blocks' channels
     for_each_column_block(
         b, e, [](const Block&) {}, table,
