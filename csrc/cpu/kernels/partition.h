@@ -259,9 +259,9 @@ inline bool column_block_strategy(const Blocks& b) { return !b.planes && b.n_out
 // apply(block) on each column block, threads taking contiguous ranges of them.
 // The serial threshold counts elements only: weighing each channel's finish
 // as 16 elements put 2x4096 and 4x2048 on both threads, 0.64x-0.91x the time
-// while calls came back to back, but 1.5x-1.8x in eval when a call found the
-// pool's workers asleep (benchmarks/small_layers.py, torch's module between
-// calls).
+// while calls came back to back, but 1.6x in the 2x4096 eval when a call
+// found the pool's workers asleep (benchmarks/small_layers.py, torch's
+// module between calls).
 template <typename Reduce, typename Finish, typename Apply>
 void for_each_column_block(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
                            const Apply& apply) {

@@ -95,7 +95,8 @@ struct PlaneKernels {
   // constants, so that the accumulators stay in registers.
   template <int C>
   static constexpr std::integral_constant<int, C> chain{};
-  static constexpr std::integral_constant<int64_t, K> full{};
+  using FullChunk = std::integral_constant<int64_t, K>;
+  static constexpr FullChunk full{};
 
   // Calls pass.chunk(offset, chain base, lanes) for every chunk of every row
   // of a planes block (lanes < K only for a row's last, partial chunk),
@@ -209,8 +210,7 @@ struct PlaneKernels {
       for (int q = 0; q < P; ++q) {
         // Full chunks come in segments of long rows (walk_plane_rows): there
         // the FMA ports share TwoSum's adds (exact_sum.h).
-        add_exact<std::is_same_v<L, std::integral_constant<int64_t, K>>>(sums.sum[0][c + q], sums.err[0][c + q],
-                                                                          v[q]);
+        add_exact<std::is_same_v<L, FullChunk>>(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
         max_abs[c + q] = at::vec::clamp_min(v[q].abs(), max_abs[c + q]);
       }
     }
