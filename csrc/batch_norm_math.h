@@ -45,6 +45,11 @@ struct LaneMath {
   TBG_HOST_DEVICE static D sqrt(D x) { return ::sqrt(x); }
   // x clamped at 0 from below (NaN and -0.0 pass as they are).
   TBG_HOST_DEVICE static D nonnegative(D x) { return x < D(0.0) ? D(0.0) : x; }
+  // x rounded to A (once, to the nearest), held as D.
+  template <typename A>
+  TBG_HOST_DEVICE static D round_to(D x) {
+    return static_cast<D>(static_cast<A>(x));
+  }
 };
 
 // ------------------------------------------------------------------ statistics
@@ -196,11 +201,20 @@ struct ChannelAffine {
   A bias;
 };
 
+// Its fields rounded to A but held as D (float64, or a CPU vector of
+// channels): the one formula, which channel_affine converts exactly to A.
+template <typename A, typename D>
+TBG_HOST_DEVICE ChannelAffine<D> rounded_channel_affine(D mean, const BackwardCoefficients<D>& c) {
+  using M = LaneMath<D>;
+  const D rounded = M::template round_to<A>(mean);
+  return {rounded, M::template round_to<A>(c.dy_scale), M::template round_to<A>(c.x_scale),
+          M::template round_to<A>(c.bias - c.x_scale * (mean - rounded))};
+}
+
 template <typename A>
 TBG_HOST_DEVICE ChannelAffine<A> channel_affine(double mean, const BackwardCoefficients<double>& c) {
-  const A rounded = static_cast<A>(mean);
-  return {rounded, static_cast<A>(c.dy_scale), static_cast<A>(c.x_scale),
-          static_cast<A>(c.bias - c.x_scale * (mean - static_cast<double>(rounded)))};
+  const ChannelAffine<double> r = rounded_channel_affine<A>(mean, c);
+  return {static_cast<A>(r.mean), static_cast<A>(r.dy_scale), static_cast<A>(r.x_scale), static_cast<A>(r.bias)};
 }
 
 // The forward's normalization as an elementwise pass without dy.

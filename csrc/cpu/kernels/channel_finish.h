@@ -1,8 +1,8 @@
 // The per-channel float64 work between an operator's reduction and its
 // elementwise pass: merging each channel's block partials, then the
 // formulas of batch_norm_math.h, a vector of channels at a time (one channel
-// a lane of Vectorized<double>), and the coefficients rounded to the
-// accumulation type one channel at a time.
+// a lane of Vectorized<double>), the coefficients' rounding to the
+// accumulation type included.
 //
 // Every channel goes through the same vector code, whether it falls in a
 // full group of lanes or not, so a channel's result never depends on where
@@ -14,10 +14,13 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/macros/Macros.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "batch_norm_math.h"
@@ -30,6 +33,9 @@ struct LaneMath<at::vec::Vectorized<double>> {
   using V = at::vec::Vectorized<double>;
   static V sqrt(const V& x) { return x.sqrt(); }
   static V nonnegative(const V& x) { return V::blendv(x, V(0.0), x < V(0.0)); }
+  // Lane by lane, as the scalar round_to (NarrowedLanes below).
+  template <typename A>
+  static V round_to(const V& x);
 };
 }  // namespace torch_bn_grad::math
 
@@ -39,6 +45,42 @@ namespace {  // internal linkage: see vec_io.h
 
 using VecD = at::vec::Vectorized<double>;
 constexpr int64_t kLanes = VecD::size();
+
+// kLanes doubles narrowed to float (each rounded once, to the nearest), in
+// the ISA's register of half the width. A generic loop was split by the
+// compiler into halves stored to the stack and reloaded whole, which stalled
+// the per-channel work on store forwarding.
+struct NarrowedLanes {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256 v;
+  explicit NarrowedLanes(const VecD& d) : v(_mm512_cvtpd_ps(d)) {}
+  VecD widened() const { return _mm512_cvtps_pd(v); }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m128 v;
+  explicit NarrowedLanes(const VecD& d) : v(_mm256_cvtpd_ps(d)) {}
+  VecD widened() const { return _mm256_cvtps_pd(v); }
+  void store(float* p) const { _mm_storeu_ps(p, v); }
+#else
+  float v[kLanes];
+  explicit NarrowedLanes(const VecD& d) {
+    for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(d[l]);
+  }
+  VecD widened() const {
+    alignas(64) double d[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) d[l] = v[l];
+    return VecD::loadu(d);
+  }
+  void store(float* p) const { std::copy_n(v, kLanes, p); }
+#endif
+  // The first n lanes.
+  void store(float* p, int64_t n) const {
+    if (n == kLanes) return store(p);
+    float lanes[kLanes];
+    store(lanes);
+    std::copy_n(lanes, n, p);
+  }
+};
 
 // Channels [k, k + n) (n <= kLanes) of per-channel float64 arrays, as
 // vectors; lanes past n read as 0 and are never stored.
@@ -79,7 +121,7 @@ void for_each_channel_group(const Blocks& b, const Extent& e, const F& f) {
 // The group's partials (math::Moments or math::GradSums) merged in block
 // order (math::merge_nonempty: every block holds data), lane by lane.
 template <template <typename...> class S, typename... Double>
-S<VecD> merged(const Partials<S<Double...>>& parts, const ChannelGroup& g) {
+C10_ALWAYS_INLINE S<VecD> merged(const Partials<S<Double...>>& parts, const ChannelGroup& g) {
   constexpr int kFields = Partials<S<Double...>>::kFields;
   S<VecD> m{};
   for (int64_t i = 0; i < parts.per; ++i) {
@@ -111,16 +153,20 @@ struct AffineTable {
     x_scale[k] = c.x_scale;
     bias[k] = c.bias;
   }
-  // Channel by channel, math::channel_affine of the group's float64
-  // coefficients about `mean`.
-  void set(const ChannelGroup& g, const VecD& mean_d, const math::BackwardCoefficients<VecD>& c) {
-    alignas(64) double m[kLanes], dy[kLanes], xs[kLanes], b[kLanes];
-    mean_d.store(m);
-    c.dy_scale.store(dy);
-    c.x_scale.store(xs);
-    c.bias.store(b);
-    for (int64_t l = 0; l < g.n; ++l)
-      set(g.k + l, math::channel_affine<A>(m[l], math::BackwardCoefficients<double>{dy[l], xs[l], b[l]}));
+  // math::channel_affine of the group's float64 coefficients about `mean`,
+  // a vector of channels at a time (one channel at a time, the conversions
+  // were most of a 2x4096 backward's per-channel work).
+  C10_ALWAYS_INLINE void set(const ChannelGroup& g, const VecD& mean_d, const math::BackwardCoefficients<VecD>& c) {
+    const math::ChannelAffine<VecD> r = math::rounded_channel_affine<A>(mean_d, c);
+    store(g, r.mean, mean);
+    store(g, r.dy_scale, dy_scale);
+    store(g, r.x_scale, x_scale);
+    store(g, r.bias, bias);
+  }
+  // Lanes that hold values of A, stored as A (exactly).
+  C10_ALWAYS_INLINE static void store(const ChannelGroup& g, const VecD& v, A* p) {
+    if constexpr (std::is_same_v<A, double>) g.store(v, p);
+    else NarrowedLanes(v).store(p + g.k, g.n);
   }
   math::AffineArrays<A> arrays() const { return {mean, dy_scale, x_scale, bias}; }
 };
@@ -129,7 +175,7 @@ struct AffineTable {
 // with a residual r (added with weight 1 through the pass's dy operand)
 // dst = scale * (x - mean) + shift + r.
 template <typename A>
-void set_forward_affine(AffineTable<A>& co, const ChannelGroup& g, const VecD& mean, const VecD& var,
+C10_ALWAYS_INLINE void set_forward_affine(AffineTable<A>& co, const ChannelGroup& g, const VecD& mean, const VecD& var,
                         const double* gamma, const double* beta, double eps, bool residual) {
   const math::ForwardCoefficients<VecD> f = math::forward_coefficients(var, g.load(gamma), g.load(beta), eps);
   co.set(g, mean, math::BackwardCoefficients<VecD>{VecD(residual ? 1.0 : 0.0), f.scale, f.shift});
@@ -149,3 +195,12 @@ void forward_affine_table(AffineTable<A>& co, int64_t k0, int64_t k1, const doub
 }  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu
+
+namespace torch_bn_grad::math {
+template <typename A>
+at::vec::Vectorized<double> LaneMath<at::vec::Vectorized<double>>::round_to(const V& x) {
+  static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>, "an accumulation type");
+  if constexpr (std::is_same_v<A, double>) return x;
+  else return cpu::CPU_CAPABILITY::NarrowedLanes(x).widened();
+}
+}  // namespace torch_bn_grad::math

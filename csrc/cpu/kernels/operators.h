@@ -118,7 +118,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
   AffineTable<acc_t> co(e.channels);
   const math::AffineArrays<acc_t> coefficients = co.arrays();
   auto reduce = [&](const Block& blk) { stats_block(red, x, blk, parts); };
-  auto finish = [&](const ChannelGroup& g) {
+  auto finish = [&](const ChannelGroup& g) C10_ALWAYS_INLINE_ATTRIBUTE {
     const math::Moments<VecD> m = merged(parts, g);
     const VecD v = math::variance_of(m);
     g.store(m.mean, mean);
@@ -132,7 +132,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
   }
   if (column_block_strategy(b)) {
     for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-                          normalize);
+                          normalize, true);
     return;
   }
   for_each_reduction_block(red, reduce);
@@ -152,7 +152,7 @@ void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const do
   if (column_block_strategy(b)) {  // few rows: each thread sets, then applies, its blocks' channels
     for_each_column_block(
         b, e, [](const Block&) {}, table,
-        [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, co.arrays(), ep); });
+        [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, co.arrays(), ep); }, false);
     return;
   }
   table(0, e.channels);
@@ -183,7 +183,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   }
   const math::AffineArrays<acc_t> coefficients = co.arrays();
   auto reduce = [&](const Block& blk) { grad_sums_block(red, x, dy, blk, coefficients.mean, parts, ep); };
-  auto finish = [&](const ChannelGroup& g) {
+  auto finish = [&](const ChannelGroup& g) C10_ALWAYS_INLINE_ATTRIBUTE {
     math::GradSums<VecD> sums{VecD(0.0), VecD(0.0)};
     if (need_sums) sums = merged(parts, g);
     const VecD c_exact = g.load(centre);
@@ -211,7 +211,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     }
     if (column_block_strategy(b)) {
       for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-                            apply);
+                            apply, true);
       return;
     }
   }

@@ -257,15 +257,23 @@ inline bool column_block_strategy(const Blocks& b) { return !b.planes && b.n_out
 
 // Runs reduce(block), finish(k0, k1) over its channels [k0, k1) and
 // apply(block) on each column block, threads taking contiguous ranges of them.
-// The serial threshold counts elements only: weighing each channel's finish
-// as 16 elements put 2x4096 and 4x2048 on both threads, 0.64x-0.91x the time
-// while calls came back to back, but 1.6x in the 2x4096 eval when a call
-// found the pool's workers asleep (benchmarks/small_layers.py, torch's
-// module between calls).
+// Operators on batch statistics weigh each channel's finish (merge, square
+// root, division, coefficients: `weigh_finish`) as kFinishElements elements
+// toward the serial threshold, which puts 2x4096 and 8x2048 on both threads:
+// training steps 0.80x -> 0.89x and 0.94x -> 1.01x of torch's module's time
+// (same process, calls shuffled; in a training step the neighbouring ops'
+// parallel regions keep the pool's workers awake). The frozen forward does
+// not: there, where the workers were often asleep, the same weight made the
+// 2x4096 eval 1.6x slower (benchmarks/small_layers.py, torch's module
+// between calls).
+constexpr int64_t kFinishElements = 16;
+
 template <typename Reduce, typename Finish, typename Apply>
 void for_each_column_block(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
-                           const Apply& apply) {
-  at::parallel_for(0, b.total, grain_for(e, b.total), [&](int64_t begin, int64_t end) {
+                           const Apply& apply, bool weigh_finish) {
+  const int64_t work = e.outer * e.channels * e.inner + (weigh_finish ? kFinishElements * e.channels : 0);
+  const bool serial = work < kSerialElements;
+  at::parallel_for(0, b.total, serial ? b.total + 1 : 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Block blk = block_at(b, e, i);
       reduce(blk);
