@@ -73,15 +73,12 @@ void grad_sums_impl(const T* x, const T* dy, const Extent& e, const double* mean
   using acc_t = at::opmath_type<T>;
   const Reduction red = reduction_for<T>(Blocks(e), e);
   const auto centre = std::make_unique_for_overwrite<acc_t[]>(e.channels);
-  const auto rounded_centre = std::make_unique_for_overwrite<double[]>(e.channels);  // centre, as float64
-  for (int64_t k = 0; k < e.channels; ++k) {
-    centre[k] = static_cast<acc_t>(mean[k]);
-    rounded_centre[k] = static_cast<double>(centre[k]);
-  }
+  for (int64_t k = 0; k < e.channels; ++k) centre[k] = static_cast<acc_t>(mean[k]);
   Partials<GradSums> parts(e.channels, red.blocks.per_channel());
   for_each_reduction_block(red, [&](const Block& blk) { grad_sums_block(red, x, dy, blk, centre.get(), parts); });
   for_each_channel_group(red.blocks, e, [&](const ChannelGroup& g) {
-    const math::GradSums<VecD> s = math::recentre(merged(parts, g), g.load(mean), g.load(rounded_centre.get()));
+    const VecD m = g.load(mean);
+    const math::GradSums<VecD> s = math::recentre(merged(parts, g), m, rounded_to<acc_t>(m));
     g.store(s.sum_dy, sum_dy);
     g.store(s.sum_dy_xc, sum_dy_xc);
   });

@@ -176,18 +176,14 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   Partials<GradSums> parts(e.channels, red.blocks.per_channel());
   AffineTable<acc_t> co(e.channels);
   // The sums are centred on the rounded centre the elementwise pass subtracts.
-  const auto rounded_centre = std::make_unique_for_overwrite<double[]>(e.channels);
-  for (int64_t k = 0; k < e.channels; ++k) {
-    co.mean[k] = static_cast<acc_t>(centre[k]);
-    rounded_centre[k] = static_cast<double>(co.mean[k]);
-  }
+  for (int64_t k = 0; k < e.channels; ++k) co.mean[k] = static_cast<acc_t>(centre[k]);
   const math::AffineArrays<acc_t> coefficients = co.arrays();
   auto reduce = [&](const Block& blk) { grad_sums_block(red, x, dy, blk, coefficients.mean, parts, ep); };
   auto finish = [&](const ChannelGroup& g) C10_ALWAYS_INLINE_ATTRIBUTE {
     math::GradSums<VecD> sums{VecD(0.0), VecD(0.0)};
     if (need_sums) sums = merged(parts, g);
     const VecD c_exact = g.load(centre);
-    sums = math::recentre(sums, c_exact, g.load(rounded_centre.get()));
+    sums = math::recentre(sums, c_exact, rounded_to<acc_t>(c_exact));
     if (unit) sums.sum_dy_xc = sums.sum_dy_xc / g.load(unit);
     const VecD rstd = math::rstd_of(g.load(var), eps);
     math::BackwardCoefficients<VecD> c = math::backward_coefficients(rstd, g.load(gamma), sums, count, training);
