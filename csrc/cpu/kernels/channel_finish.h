@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -183,8 +182,9 @@ struct AffineTable {
 // with a residual r (added with weight 1 through the pass's dy operand)
 // dst = scale * (x - mean) + shift + r.
 template <typename A>
-C10_ALWAYS_INLINE void set_forward_affine(AffineTable<A>& co, const ChannelGroup& g, const VecD& mean, const VecD& var,
-                        const double* gamma, const double* beta, double eps, bool residual) {
+C10_ALWAYS_INLINE void set_forward_affine(AffineTable<A>& co, const ChannelGroup& g, const VecD& mean,
+                                          const VecD& var, const double* gamma, const double* beta, double eps,
+                                          bool residual) {
   const math::ForwardCoefficients<VecD> f = math::forward_coefficients(var, g.load(gamma), g.load(beta), eps);
   co.set(g, mean, math::BackwardCoefficients<VecD>{VecD(residual ? 1.0 : 0.0), f.scale, f.shift});
 }

@@ -132,7 +132,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
   }
   if (column_block_strategy(b)) {
     for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-                          normalize, true);
+                          normalize, /*weigh_finish=*/true);
     return;
   }
   for_each_reduction_block(red, reduce);
@@ -152,7 +152,8 @@ void forward_frozen_impl(const T* x, const T* r, T* y, const Extent& e, const do
   if (column_block_strategy(b)) {  // few rows: each thread sets, then applies, its blocks' channels
     for_each_column_block(
         b, e, [](const Block&) {}, table,
-        [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, co.arrays(), ep); }, false);
+        [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, co.arrays(), ep); },
+        /*weigh_finish=*/false);
     return;
   }
   table(0, e.channels);
@@ -207,7 +208,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     }
     if (column_block_strategy(b)) {
       for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-                            apply, true);
+                            apply, /*weigh_finish=*/true);
       return;
     }
   }
