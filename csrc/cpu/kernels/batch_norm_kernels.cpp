@@ -78,7 +78,7 @@ void grad_sums_impl(const T* x, const T* dy, const Extent& e, const double* mean
   for_each_reduction_block(red, [&](const Block& blk) { grad_sums_block(red, x, dy, blk, centre.get(), parts); });
   for_each_channel_group(red.blocks, e, [&](const ChannelGroup& g) {
     const VecD m = g.load(mean);
-    const math::GradSums<VecD> s = math::recentre(merged(parts, g), m, rounded_to<acc_t>(m));
+    const math::GradSums<VecD> s = math::recentre(merged(parts, g), m, math::LaneMath<VecD>::round_to<acc_t>(m));
     g.store(s.sum_dy, sum_dy);
     g.store(s.sum_dy_xc, sum_dy_xc);
   });

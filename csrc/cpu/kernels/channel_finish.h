@@ -32,7 +32,7 @@ struct LaneMath<at::vec::Vectorized<double>> {
   using V = at::vec::Vectorized<double>;
   static V sqrt(const V& x) { return x.sqrt(); }
   static V nonnegative(const V& x) { return V::blendv(x, V(0.0), x < V(0.0)); }
-  // Lane by lane, as the scalar round_to (rounded_to below).
+  // Lane by lane, as the scalar round_to (defined below NarrowedLanes).
   template <typename A>
   static V round_to(const V& x);
 };
@@ -80,14 +80,6 @@ struct NarrowedLanes {
     std::copy_n(lanes, n, p);
   }
 };
-
-// v's lanes rounded to A (once, to the nearest), as float64.
-template <typename A>
-VecD rounded_to(const VecD& v) {
-  static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>, "an accumulation type");
-  if constexpr (std::is_same_v<A, double>) return v;
-  else return NarrowedLanes(v).widened();
-}
 
 // Channels [k, k + n) (n <= kLanes) of per-channel float64 arrays, as
 // vectors; lanes past n read as 0 and are never stored.
@@ -207,7 +199,9 @@ void forward_affine_table(AffineTable<A>& co, int64_t k0, int64_t k1, const doub
 namespace torch_bn_grad::math {
 template <typename A>
 at::vec::Vectorized<double> LaneMath<at::vec::Vectorized<double>>::round_to(const V& x) {
-  return cpu::CPU_CAPABILITY::rounded_to<A>(x);
+  static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>, "an accumulation type");
+  if constexpr (std::is_same_v<A, double>) return x;
+  else return cpu::CPU_CAPABILITY::NarrowedLanes(x).widened();
 }
 }  // namespace torch_bn_grad::math
 

@@ -184,7 +184,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     math::GradSums<VecD> sums{VecD(0.0), VecD(0.0)};
     if (need_sums) sums = merged(parts, g);
     const VecD c_exact = g.load(centre);
-    sums = math::recentre(sums, c_exact, rounded_to<acc_t>(c_exact));
+    sums = math::recentre(sums, c_exact, math::LaneMath<VecD>::round_to<acc_t>(c_exact));
     if (unit) sums.sum_dy_xc = sums.sum_dy_xc / g.load(unit);
     const VecD rstd = math::rstd_of(g.load(var), eps);
     math::BackwardCoefficients<VecD> c = math::backward_coefficients(rstd, g.load(gamma), sums, count, training);

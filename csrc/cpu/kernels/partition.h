@@ -139,8 +139,9 @@ constexpr int64_t kSerialElements = 32768;
 
 // parallel_for's grain for `items` work items of an operator on `e`: all of them
 // on the calling thread when the operator is small, else one item per task.
-inline int64_t grain_for(const Extent& e, int64_t items) {
-  return e.outer * e.channels * e.inner < kSerialElements ? items + 1 : 1;
+// `extra_elements` counts work beyond the elements (for_each_column_block).
+inline int64_t grain_for(const Extent& e, int64_t items, int64_t extra_elements = 0) {
+  return e.outer * e.channels * e.inner + extra_elements < kSerialElements ? items + 1 : 1;
 }
 
 // Runs f on every block in parallel. Threads get the same contiguous ranges of
@@ -271,9 +272,8 @@ constexpr int64_t kFinishElements = 16;
 template <typename Reduce, typename Finish, typename Apply>
 void for_each_column_block(const Blocks& b, const Extent& e, const Reduce& reduce, const Finish& finish,
                            const Apply& apply, bool weigh_finish) {
-  const int64_t work = e.outer * e.channels * e.inner + (weigh_finish ? kFinishElements * e.channels : 0);
-  const bool serial = work < kSerialElements;
-  at::parallel_for(0, b.total, serial ? b.total + 1 : 1, [&](int64_t begin, int64_t end) {
+  const int64_t finish_elements = weigh_finish ? kFinishElements * e.channels : 0;
+  at::parallel_for(0, b.total, grain_for(e, b.total, finish_elements), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Block blk = block_at(b, e, i);
       reduce(blk);
