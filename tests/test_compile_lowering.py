@@ -83,6 +83,14 @@ def _compare(compiled, model, reference, dtype, memory_format, batches):
         assert out.is_contiguous(memory_format=torch.contiguous_format if out.dim() < 4 else memory_format)
         for grad, ref_grad in zip(grads, ref_grads):
             torch.testing.assert_close(grad, ref_grad, **tol)
+        # Each step starts from the same parameters: the compiled forward rounds
+        # the statistics its own way, and in a few SGD steps of a batch of 4
+        # (bfloat16 parameters) those last-bit differences grow past any
+        # fixed tolerance (an AVX2 machine: 0.31 on a conv weight's grad of
+        # scale 2 by the third step, 0.016 in the first).
+        with torch.no_grad():
+            for p, ref in zip(model.parameters(), reference.parameters()):
+                p.copy_(ref)
     for (name, t), (_, ref) in zip(model.state_dict().items(), reference.state_dict().items()):
         torch.testing.assert_close(t, ref, **tol, msg=lambda m: f"{name}: {m}")
 
