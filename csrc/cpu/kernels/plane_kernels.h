@@ -41,7 +41,19 @@ struct PlaneKernels {
   // Independent accumulator chains hide the latency of the dependent
   // compensated adds; chunk i of a run feeds group i % kGroups (a fixed
   // assignment, so the result does not depend on anything but the shape).
-  static constexpr int kGroups = P >= 4 ? 1 : 4 / P;
+  static constexpr int groups_for(int chains) { return P >= chains ? 1 : chains / P; }
+  static constexpr int kGroups = groups_for(4);
+  // The statistics' first pass keeps three vectors a chain (sum, err, max
+  // |x|): on AVX2's 16 registers, four chains of them spilled, each
+  // compensated add then waiting on a store and a reload, so it takes two
+  // there (float16 14x14 statistics about 0.8x the time; the grad sums,
+  // which hold one vector a chain and sum, keep four: two made bfloat16
+  // 56x56 backward 1.15x).
+#if defined(CPU_CAPABILITY_AVX2)
+  static constexpr int kSumMaxGroups = groups_for(2);
+#else
+  static constexpr int kSumMaxGroups = kGroups;
+#endif
   static constexpr int kChains = kGroups * P;
   // Rows of one chunk or less (4x4 planes of float32) only ever feed group 0:
   // their passes carry one group, whose flushes and totals cost a quarter as
@@ -95,8 +107,9 @@ struct PlaneKernels {
   // constants, so that the accumulators stay in registers.
   template <int C>
   static constexpr std::integral_constant<int, C> chain{};
+  // A full chunk's lane count, as a segment's (long rows) and as the rest's.
   using FullChunk = std::integral_constant<int64_t, K>;
-  static constexpr FullChunk full{};
+  struct SegmentChunk : FullChunk {};
 
   // Calls pass.chunk(offset, chain base, lanes) for every chunk of every row
   // of a planes block (lanes < K only for a row's last, partial chunk),
@@ -129,11 +142,14 @@ struct PlaneKernels {
       for (; j + kSegment <= n; j += kSegment) {
         if constexpr (Pass::kFromMemory)
           if (!prefetch) prefetch_walk_ahead(e, blk, o, row, j, kSegment, a, b);
-        for (int64_t r = 0; r < kRowRun; ++r) full_chunks(pass, row + j + r * G * K, groups);
+        for (int64_t r = 0; r < kRowRun; ++r) full_chunks(pass, row + j + r * G * K, SegmentChunk{}, groups);
         pass.flush();
         pending = 0;
       }
-      int64_t i = 0;  // chunk i of the rest goes to group i % G
+      // Chunk i of the rest goes to group i % G: whole rounds of full chunks
+      // first (constant lane counts, as in a segment), then the last round.
+      int64_t i = 0;
+      for (; j + G * K <= n; j += G * K, i += G) full_chunks(pass, row + j, FullChunk{}, groups);
       while (j < n) rest_chunks(pass, row, n, j, i, groups);
       pending += ceil_div(i, G);
       if (pending >= kRowRun) {
@@ -168,10 +184,11 @@ struct PlaneKernels {
     if (b) prefetch_lines<false>(b + base + at, m);
   }
 
-  // One full chunk per chain group, at base + g * K.
-  template <typename Pass, int... G>
-  C10_ALWAYS_INLINE static void full_chunks(Pass& pass, int64_t base, std::integer_sequence<int, G...>) {
-    (pass.chunk(base + G * K, chain<G * P>, full), ...);
+  // One full chunk per chain group, at base + g * K; `lanes` says whether
+  // they are a segment's (SegmentChunk) or the rest's (FullChunk).
+  template <typename Pass, typename L, int... G>
+  C10_ALWAYS_INLINE static void full_chunks(Pass& pass, int64_t base, L lanes, std::integer_sequence<int, G...>) {
+    (pass.chunk(base + G * K, chain<G * P>, lanes), ...);
   }
 
   // The next chunks of a row's rest (from j, n elements in all), one per
@@ -208,9 +225,9 @@ struct PlaneKernels {
       Vec v[P];
       if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
-        // Full chunks come in segments of long rows (walk_plane_rows): there
-        // the FMA ports share TwoSum's adds (exact_sum.h).
-        add_exact<std::is_same_v<L, FullChunk>>(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
+        // In segments of long rows the FMA ports share TwoSum's adds
+        // (exact_sum.h); shorter rows wait on the FMA's latency.
+        add_exact<std::is_same_v<L, SegmentChunk>>(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
         max_abs[c + q] = at::vec::clamp_min(v[q].abs(), max_abs[c + q]);
       }
     }
@@ -284,18 +301,18 @@ struct PlaneKernels {
   // The block's (count, mean, m2) partial: pass 1 takes the exact sum of x and
   // max |x|, pass 2 (block in cache) the exact sum of (x - centre)^2.
   static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
-    if (one_chunk_rows(blk)) stats_with<1>(x, e, blk, out);
-    else stats_with<kGroups>(x, e, blk, out);
+    if (one_chunk_rows(blk)) stats_with<1, 1>(x, e, blk, out);
+    else stats_with<kSumMaxGroups, kGroups>(x, e, blk, out);
   }
-  template <int G>
+  template <int G1, int G2>
   static void stats_with(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out) {
     const int64_t n = blk.s1 - blk.s0;
-    SumMaxPass<G> first(x);
+    SumMaxPass<G1> first(x);
     walk_plane_rows(e, blk, x, nullptr, first);
     const double count = static_cast<double>((blk.o1 - blk.o0) * n);
     const double sum_x = first.sums.total(0);
     const acc_t centre = exact_centre<acc_t>(sum_x / count, first.max_all());
-    SquaresPass<G> second(x, centre);
+    SquaresPass<G2> second(x, centre);
     walk_plane_rows(e, blk, x, nullptr, second);
     out.set(blk.channel, blk.slot, math::centred_moments<double>(count, sum_x, centre, second.sums.total(0)));
   }
@@ -408,11 +425,18 @@ struct PlaneKernels {
       ep.stored(out, off, lanes, xv);
     }
     // `stream`: full chunks are written with streaming stores (row starts aligned).
+    // A row of K or more elements ending in a partial chunk ends instead
+    // with the full chunk that ends where it does (plain batch norm): its
+    // first lanes rewrite the same values, while a partial store of 16-bit
+    // data on AVX2 goes through the stack (7x7 bfloat16 planes: a quarter
+    // of the pass's time).
     C10_ALWAYS_INLINE void row(const T* x, const T* y, T* out, int64_t off, int64_t n, const E& ep,
                                bool stream) const {
       int64_t j = 0;
       for (; j + K <= n; j += K) chunk(x, y, out, off + j, K, ep, stream);
-      if (j < n) chunk(x, y, out, off + j, n - j, ep, stream);
+      if (j == n) return;
+      if (std::is_same_v<E, PlainEpilogue<T>> && n >= K) chunk(x, y, out, off + n - K, K, ep, false);
+      else chunk(x, y, out, off + j, n - j, ep, stream);
     }
   };
 };
