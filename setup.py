@@ -28,8 +28,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 import cuda_build  # noqa: E402  (this folder's build helper, not installed)
 
-# The C++ standard is left to torch.utils.cpp_extension (torch 2.13 builds with C++20).
-CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-fvisibility-inlines-hidden"]
+# C++20 is named, not left to torch.utils.cpp_extension: torch 2.13 defaults to it,
+# but earlier releases (2.11 on the H200 machine) pass -std=c++17 unless a -std is given.
+CXX_STD = "-std=c++20"
+CXX_FLAGS = [CXX_STD, "-O3", "-g0", "-fopenmp", "-fvisibility-inlines-hidden"]
 LINK_FLAGS = ["-fopenmp"]
 
 # Flags per CPU capability, named as at::CPUCapability names them. Each copy of
@@ -107,7 +109,7 @@ def _extension():
             sources=sources,
             extra_compile_args={
                 "cxx": CXX_FLAGS + ["-DTORCH_BN_GRAD_WITH_CUDA"],
-                "nvcc": ["-O3", "-DTORCH_BN_GRAD_WITH_CUDA"],
+                "nvcc": [CXX_STD, "-O3", "-DTORCH_BN_GRAD_WITH_CUDA"],
             },
             **kwargs,
         )

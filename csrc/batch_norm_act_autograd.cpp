@@ -27,6 +27,7 @@
 #include <optional>
 #include <string>
 
+#include "autograd_node.h"
 #include "channel_algebra.h"
 #include "forward_ad.h"
 #include "forward_grad.h"
@@ -226,9 +227,9 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
                               const OptionalTensor& residual, double epsilon, c10::string_view activation,
                               double negative_slope, c10::string_view data_format, bool memory_saving,
                               SignBits bits_wanted) {
-  c10::intrusive_ptr<ActForwardNode> node;
+  NodePtr<ActForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance, residual)) {
-    node = c10::make_intrusive<ActForwardNode>();
+    node = make_node<ActForwardNode>();
     node->set_next_edges(torch::autograd::collect_next_edges(src, gamma, beta, mean, variance, residual));
   }
   const bool gate_from_dst = activation == "relu" || activation == "leaky_relu";
@@ -330,9 +331,9 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
         has_tangent(mean) || has_tangent(variance) || has_tangent(gamma) || has_tangent(beta)),
       "batch_norm_act_backward has no forward-mode derivative; differentiate batch_norm_act_forward (or "
       "functional.batch_norm_act) instead, whose derivatives (jvp, jacfwd, hessian) are implemented");
-  c10::intrusive_ptr<ActBackwardRefusal> node;
+  NodePtr<ActBackwardRefusal> node;
   if (torch::autograd::compute_requires_grad(diff_dst, src, dst, residual, mean, variance, gamma, beta)) {
-    node = c10::make_intrusive<ActBackwardRefusal>();
+    node = make_node<ActBackwardRefusal>();
     node->set_next_edges(
         torch::autograd::collect_next_edges(diff_dst, src, dst, residual, mean, variance, gamma, beta));
   }

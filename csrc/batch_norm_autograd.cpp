@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 
+#include "autograd_node.h"
 #include "channel_algebra.h"
 #include "forward_ad.h"
 #include "forward_grad.h"
@@ -166,9 +167,9 @@ struct ForwardNode : public torch::autograd::Node {
 Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
                                      const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
                                      c10::string_view data_format) {
-  c10::intrusive_ptr<ForwardNode> node;
+  NodePtr<ForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance)) {
-    node = c10::make_intrusive<ForwardNode>();
+    node = make_node<ForwardNode>();
     node->set_next_edges(torch::autograd::collect_next_edges(src, gamma, beta, mean, variance));
   }
   auto outputs = [&] {

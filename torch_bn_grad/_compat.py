@@ -12,6 +12,7 @@ tested with (README).
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,23 @@ import torch
 
 TESTED_TORCH = ((2, 13), (2, 14))  # (major, minor) releases the test suite runs on
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+# torch >= 2.14's BatchNorm takes bias= (an affine BatchNorm without beta);
+# earlier releases (2.11 on the H200 machine) do not.
+_BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(torch.nn.modules.batchnorm._BatchNorm.__init__).parameters
+
+
+def batchnorm_bias_kwargs(bias: bool) -> dict[str, bool]:
+    """The ``bias`` keyword for ``_BatchNorm.__init__``, where this torch takes it.
+
+    Without it only ``bias=True`` (torch's one behaviour there) is possible."""
+    if _BATCHNORM_TAKES_BIAS:
+        return {"bias": bias}
+    if not bias:
+        raise TypeError(f"bias=False needs a torch whose BatchNorm takes it (2.14 or later); "
+                        f"torch {torch.__version__} does not")
+    return {}
 
 
 def torch_version_string() -> str:
@@ -63,6 +81,13 @@ def forward_ad_level() -> int:
 functional_collectives = (
     importlib.import_module("torch.distributed._functional_collectives") if torch.distributed.is_available() else None
 )
+
+
+def all_gather_single(tensor: Any, gather_dim: int, group: Any) -> Any:
+    """Functional all-gather along ``gather_dim``: ``all_gather_single`` on torch
+    2.14, ``all_gather_tensor`` (the same signature and result) before it."""
+    gather = getattr(functional_collectives, "all_gather_single", None) or functional_collectives.all_gather_tensor
+    return gather(tensor, gather_dim, group)
 
 
 def _onnx_export_flags():

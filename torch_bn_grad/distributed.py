@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from torch_bn_grad import _channels, ops, stages
+from torch_bn_grad import _channels, _compat, ops, stages
 from torch_bn_grad._compat import functional_collectives as funcol
 from torch_bn_grad._running_stats import update_running_stats
 
@@ -49,7 +49,7 @@ def sync_batch_norm(
     if not eps > 0:
         raise ValueError(f"sync_batch_norm: eps must be positive in training, got {eps}")
     local = stages.batch_norm_local_stats(input.detach())
-    gathered = funcol.all_gather_single(local, 0, group)
+    gathered = _compat.all_gather_single(local, 0, group)
     count, mean, variance = stages.combine_stats(gathered.view(-1, *local.shape))
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, variance, count, momentum)

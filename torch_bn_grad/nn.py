@@ -122,7 +122,7 @@ class SyncBatchNorm(_FusedForward, _BatchNorm):
         bias: bool = True,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         bias=bias)
+                         **_compat.batchnorm_bias_kwargs(bias))
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -180,7 +180,8 @@ class _ActForward(_FusedForward):
         memory_saving: bool = False,
     ) -> None:
         super().__init__(  # type: ignore[call-arg]
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+            num_features, eps, momentum, affine, track_running_stats, device, dtype,
+            **_compat.batchnorm_bias_kwargs(bias))
         self._set_activation(activation, negative_slope, memory_saving)
 
     def _set_activation(self, activation: str, negative_slope: float, memory_saving: bool) -> None:
