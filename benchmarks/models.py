@@ -54,6 +54,7 @@ class ModelResult:
     opaque_speedup: Optional[float] = None
     fused_ms: Optional[float] = None
     fused_speedup: Optional[float] = None
+    device: str = "cpu"
 
 
 def _opaque_inductor(gm, example_inputs):
@@ -78,10 +79,13 @@ def _raise_recompile_limits() -> None:
 
 
 def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor) -> Callable:
+    """One iteration, finished on the device (a CUDA step waits for its kernels)."""
+    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     if mode == "eval":
         def step() -> None:
             with torch.no_grad():
                 run(x)
+            wait()
         return step
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -90,17 +94,18 @@ def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        wait()
 
     return step
 
 
 def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int, resolution: int,
              iters: int, rounds: int, warmup: int, opaque: bool, num_classes: int = 1000,
-             fuse: bool = False) -> ModelResult:
+             fuse: bool = False, device: str = "cpu") -> ModelResult:
     """Time one case; every variant's iterations alternate, round by round."""
     torch.manual_seed(0)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    native = _models.MODELS[model_name](num_classes).to(memory_format=memory_format).train(mode == "train")
+    native = _models.MODELS[model_name](num_classes).to(device, memory_format=memory_format).train(mode == "train")
     variants = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native))}
     compiled = execution == "compile"
     if compiled and opaque:
@@ -108,8 +113,8 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
     if fuse:
         variants["fused"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, 3, resolution, resolution, generator=g).contiguous(memory_format=memory_format)
-    target = torch.randint(0, num_classes, (batch,), generator=g)
+    x = torch.randn(batch, 3, resolution, resolution, generator=g).to(device, memory_format=memory_format)
+    target = torch.randint(0, num_classes, (batch,), generator=g).to(device)
     steps = {}
     for name, model in variants.items():
         if not compiled:
@@ -133,7 +138,7 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
                 times[name].append(time.perf_counter() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     result = ModelResult(model_name, mode, layout, execution, batch, resolution, round(ms["native"], 3),
-                         round(ms["ours"], 3), round(ms["native"] / ms["ours"], 3))
+                         round(ms["ours"], 3), round(ms["native"] / ms["ours"], 3), device=device)
     if "opaque" in ms:
         result.opaque_ms = round(ms["opaque"], 3)
         result.opaque_speedup = round(ms["native"] / ms["opaque"], 3)
@@ -144,7 +149,8 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
 
 
 def run(model_name: str, modes, layouts, executions, batch: int, resolution: int, iters: int, rounds: int,
-        warmup: int, opaque: bool, num_classes: int = 1000, log=print, fuse: bool = False) -> list[ModelResult]:
+        warmup: int, opaque: bool, num_classes: int = 1000, log=print, fuse: bool = False,
+        device: str = "cpu") -> list[ModelResult]:
     """Every case; prints a row as each finishes."""
     _raise_recompile_limits()
     header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
@@ -159,7 +165,7 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
         for mode in modes:
             for layout in layouts:
                 r = run_case(model_name, mode, layout, execution, batch, resolution, iters, rounds, warmup,
-                             opaque, num_classes, fuse)
+                             opaque, num_classes, fuse, device)
                 results.append(r)
                 line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
                         f"{r.ours_ms:>9.2f} {r.speedup:>10.3f}x")
@@ -207,12 +213,13 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
     """Run the model benchmark for parsed ``args`` (see :func:`add_arguments`)."""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}, batch {args.batch_size}, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, {args.model}, batch {args.batch_size}, "
           f"{args.resolution}x{args.resolution}, median of {args.rounds} rounds x {args.iters} iterations, "
           f"compile_lowering={config.compile_lowering}")
     results = run(args.model, args.modes.split(","), args.layouts.split(","), args.executions.split(","),
                   args.batch_size, args.resolution, args.iters, args.rounds, args.warmup, args.opaque,
-                  args.num_classes, fuse=args.fuse)
+                  args.num_classes, fuse=args.fuse, device=args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)

@@ -224,14 +224,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
     _model_bench.add_arguments(parser)
     args = parser.parse_args(argv)
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f"--device {args.device}: {problem}")
     if args.model:
         if args.threads:
             torch.set_num_threads(args.threads)
         _model_bench.main(args)
         return
-    problem = device_problem(args.device)
-    if problem:
-        parser.error(f"--device {args.device}: {problem}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_device(args.device))

@@ -1,4 +1,4 @@
-"""Accuracy against torch's native CPU batch norm, on ordinary and ill-conditioned data.
+"""Accuracy against torch's native batch norm, on ordinary and ill-conditioned data.
 
 For float32, float16 and bfloat16 data this measures the maximum absolute error
 of every output (dst, mean, variance; diff_src, diff_gamma, diff_beta) against
@@ -7,7 +7,9 @@ the float64 reference (reference.py), for this library and for
 same inputs in the same dtypes, in both kernel families (contiguous NCHW:
 per-channel planes; channels_last: channels innermost).
 
-Run ``python tests/accuracy.py`` to print the table (markdown).
+Both libraries run on the device asked for (CPU, or CUDA where torch's native op is
+cuDNN's or ATen's CUDA kernel); the reference is always float64 on the CPU.
+Run ``python tests/accuracy.py [cpu|cuda]`` to print the table (markdown).
 
 Native takes and returns ``invstd = (variance + eps)^-1/2`` (float32) where we
 take and return the variance; its variance is read back as
@@ -88,8 +90,9 @@ def _max_error(actual: Tensor, expected: Tensor) -> float:
     return (actual.double() - expected).abs().max().item()
 
 
-def measure(dtype: torch.dtype, kind: str, layout: str, shape=SHAPE, seed: int = 0) -> dict[str, Errors]:
-    """Errors of every output, ours and native, for one dtype, kind of data and layout."""
+def measure(dtype: torch.dtype, kind: str, layout: str, shape=SHAPE, seed: int = 0,
+            device: str = "cpu") -> dict[str, Errors]:
+    """Errors of every output, ours and native on `device`, for one dtype, kind of data and layout."""
     g = torch.Generator().manual_seed(seed)
     x64, dy64 = DATA[kind](shape, g)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -104,15 +107,20 @@ def measure(dtype: torch.dtype, kind: str, layout: str, shape=SHAPE, seed: int =
     mean_in, var_in = ref_mean.float(), ref_var.float()
     ref_grads = reference_backward(x, dy, mean_in, var_in, gamma, EPS, "NCX", True)
 
+    invstd_in = (var_in.double() + EPS).rsqrt().float()
+    # .to keeps the memory format, so channels_last stays channels_last on the device.
+    x, dy, gamma, beta, mean_in, var_in, invstd_in = (
+        t.to(device) for t in (x, dy, gamma, beta, mean_in, var_in, invstd_in))
+
     ours = torch_bn_grad.batch_norm_forward(x, gamma, beta, epsilon=EPS)
     ours += torch_bn_grad.batch_norm_backward(x, dy, mean_in, var_in, gamma, epsilon=EPS)
 
     n_dst, n_mean, n_invstd = torch.ops.aten.native_batch_norm(x, gamma, beta, None, None, True, 0.0, EPS)
-    invstd_in = (var_in.double() + EPS).rsqrt().float()
     native = (n_dst, n_mean, n_invstd.double() ** -2 - EPS)
     native += torch.ops.aten.native_batch_norm_backward(
         dy, x, gamma, None, None, mean_in, invstd_in, True, EPS, [True, True, True]
     )
+    ours, native = (tuple(t.cpu() for t in outputs) for outputs in (ours, native))
 
     out_dtypes = (dtype, torch.float32, torch.float32, dtype, torch.float32, torch.float32)
     refs = (ref_dst, ref_mean, ref_var) + tuple(ref_grads)
@@ -122,8 +130,8 @@ def measure(dtype: torch.dtype, kind: str, layout: str, shape=SHAPE, seed: int =
     }
 
 
-def table() -> str:
-    """The whole comparison as a markdown table: `ours / native` per output."""
+def table(device: str = "cpu") -> str:
+    """The whole comparison on `device` as a markdown table: `ours / native` per output."""
     lines = [
         "| dtype | data | layout | " + " | ".join(OUTPUTS) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in OUTPUTS) + " |",
@@ -131,12 +139,17 @@ def table() -> str:
     for dtype in DTYPES:
         for kind in DATA:
             for layout in LAYOUTS:
-                errors = measure(dtype, kind, layout)
+                errors = measure(dtype, kind, layout, device=device)
                 cells = [f"{e.ours:.2e} / {e.native:.2e}" + ("" if e.ours_no_worse() else " (!)") for e in errors.values()]
                 lines.append(f"| {str(dtype)[6:]} | {kind} | {layout} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(f"Maximum absolute error vs float64, ours / native, shape {SHAPE}, eps {EPS}; (!) marks ours worse.")
-    print(table())
+    import sys
+
+    where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    name = torch.cuda.get_device_name() if where == "cuda" else "CPU"
+    print(f"Maximum absolute error vs float64, ours / native on {name} (torch {torch.__version__}), "
+          f"shape {SHAPE}, eps {EPS}; (!) marks ours worse.")
+    print(table(where))
