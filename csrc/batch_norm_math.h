@@ -43,6 +43,14 @@ namespace torch_bn_grad::math {
 template <typename D>
 struct LaneMath {
   TBG_HOST_DEVICE static D sqrt(D x) { return ::sqrt(x); }
+  // a * b + c rounded once.
+  TBG_HOST_DEVICE static D fma(D a, D b, D c) {
+#if defined(__CUDA_ARCH__)
+    return ::fma(a, b, c);
+#else
+    return std::fma(a, b, c);
+#endif
+  }
   // x clamped at 0 from below (NaN and -0.0 pass as they are).
   TBG_HOST_DEVICE static D nonnegative(D x) { return x < D(0.0) ? D(0.0) : x; }
   // x rounded to A (once, to the nearest), held as D.
@@ -232,5 +240,15 @@ struct AffineArrays {
   const A* x_scale;
   const A* bias;
 };
+
+// ------------------------------------------------------------------ running statistics
+// at::lerp(start, end, weight) with its roundings (ATen/native/Lerp.h), fused
+// as its vectorized CPU kernel and nvcc's contraction of its CUDA kernel fuse
+// it, so that every channel count and device rounds alike.
+template <typename T>
+TBG_HOST_DEVICE T lerp(T start, T end, T weight) {
+  const bool near_start = (weight < T(0) ? -weight : weight) < T(0.5);
+  return LaneMath<T>::fma(near_start ? weight : weight - T(1), end - start, near_start ? start : end);
+}
 
 }  // namespace torch_bn_grad::math

@@ -14,6 +14,9 @@
 #include <optional>
 
 #include "cpu/kernels/kernel_table.h"
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+#include "cuda/running_stats_cuda.h"
+#endif
 
 namespace torch_bn_grad {
 namespace {
@@ -39,6 +42,24 @@ void update_one(const at::Tensor& running, const at::Tensor& batch, double facto
   const_cast<at::Tensor&>(running).lerp_(value.to(running.scalar_type()).view(running.sizes()), momentum);
 }
 
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+// Both updates in one CUDA kernel: every tensor on the batch statistics' GPU,
+// contiguous, of their dtype (float32 or float64). The numel checks come first.
+bool one_cuda_kernel_applies(const std::optional<at::Tensor>& running_mean,
+                             const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
+                             const at::Tensor& variance) {
+  const auto dtype = mean.scalar_type();
+  if (!mean.is_cuda() || (dtype != at::kFloat && dtype != at::kDouble) || !mean.is_contiguous()) return false;
+  for (const auto* t : {&running_mean, &running_var}) {
+    if (t->has_value() &&
+        ((*t)->device() != mean.device() || (*t)->scalar_type() != dtype || !(*t)->is_contiguous()))
+      return false;
+  }
+  return variance.device() == mean.device() && variance.scalar_type() == dtype && variance.is_contiguous() &&
+         variance.numel() == mean.numel();
+}
+#endif
+
 void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
                           const at::Tensor& mean, const at::Tensor& variance, int64_t count, double momentum) {
   TORCH_CHECK_VALUE(count >= 0, "batch_norm_update_running_stats: count must be >= 0, got ", count);
@@ -49,6 +70,14 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
                       " must have one value per channel (", batch->numel(), "), got ", (*running)->numel());
   }
   if (count == 0) return;  // torch's BatchNorm leaves the running statistics of an empty batch alone
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+  if (one_cuda_kernel_applies(running_mean, running_var, mean, variance)) {
+    cuda::update_running_stats(running_mean.has_value() ? &*running_mean : nullptr,
+                               running_var.has_value() ? &*running_var : nullptr, mean, variance,
+                               bessel_factor(count), momentum);
+    return;
+  }
+#endif
   if (running_mean.has_value()) update_one(*running_mean, mean, 1.0, momentum);
   if (running_var.has_value()) update_one(*running_var, variance, bessel_factor(count), momentum);
 }

@@ -1,11 +1,13 @@
 """The running-statistics update operator (eager steps) against the tensor
-arithmetic that traced code uses: the same values, the same in-place semantics."""
+arithmetic that traced code uses: the same values, the same in-place semantics,
+on every device (CUDA: one kernel for both buffers where they qualify)."""
 
 import pytest
 import torch
 
 import torch_bn_grad  # noqa: F401  (registers the operators)
 from torch_bn_grad import _running_stats
+from reference import DEVICES
 
 OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
 
@@ -20,38 +22,46 @@ def _python_update(running_mean, running_var, mean, var, count, momentum):
 @pytest.mark.parametrize("channels", [3, 16, 37, 1000])
 @pytest.mark.parametrize("momentum", [0.1, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("count", [1, 2, 513])
-def test_operator_equals_tensor_arithmetic(dtype, channels, momentum, count):
+@pytest.mark.parametrize("device", DEVICES)
+def test_operator_equals_tensor_arithmetic(device, dtype, channels, momentum, count):
     g = torch.Generator().manual_seed(channels + count)
     rm, rv = torch.randn(channels, generator=g, dtype=dtype), torch.rand(channels, generator=g, dtype=dtype)
     mean, var = torch.randn(channels, generator=g, dtype=dtype) * 100, torch.rand(channels, generator=g, dtype=dtype)
+    rm, rv, mean, var = (t.to(device) for t in (rm, rv, mean, var))
     expected_mean, expected_var = rm.clone(), rv.clone()
     _python_update(expected_mean, expected_var, mean, var, count, momentum)
     OP(rm, rv, mean, var, count, momentum)
-    # Equal to within one rounding where torch's lerp kernel does not fuse (no FMA on the CPU).
+    # Equal to within one rounding where torch's lerp kernel does not fuse (no FMA on the CPU;
+    # on CUDA where nvcc did not contract it).
     torch.testing.assert_close(rm, expected_mean, rtol=2 * torch.finfo(dtype).eps, atol=0)
     torch.testing.assert_close(rv, expected_var, rtol=2 * torch.finfo(dtype).eps, atol=0)
 
 
-def test_empty_batch_and_absent_buffers_change_nothing():
-    rm, rv = torch.zeros(4), torch.ones(4)
-    OP(rm, rv, torch.full((4,), 5.0), torch.full((4,), 5.0), 0, 0.1)
-    assert torch.equal(rm, torch.zeros(4)) and torch.equal(rv, torch.ones(4))
-    OP(None, rv, torch.full((4,), 5.0), torch.full((4,), 3.0), 4, 1.0)
-    assert torch.equal(rv, torch.full((4,), 4.0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_and_absent_buffers_change_nothing(device):
+    rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
+    OP(rm, rv, torch.full((4,), 5.0, device=device), torch.full((4,), 5.0, device=device), 0, 0.1)
+    assert torch.equal(rm, torch.zeros(4, device=device)) and torch.equal(rv, torch.ones(4, device=device))
+    OP(None, rv, torch.full((4,), 5.0, device=device), torch.full((4,), 3.0, device=device), 4, 1.0)
+    assert torch.equal(rv, torch.full((4,), 4.0, device=device))
+    OP(rm, None, torch.full((4,), 5.0, device=device), torch.full((4,), 3.0, device=device), 4, 0.5)
+    assert torch.equal(rm, torch.full((4,), 2.5, device=device)) and torch.equal(rv, torch.full((4,), 4.0, device=device))
 
 
-def test_strided_and_half_buffers_take_the_general_path():
-    rm = torch.zeros(8)[::2]
-    rv = torch.ones(4, dtype=torch.bfloat16)
-    OP(rm, rv, torch.ones(4), torch.full((4,), 2.0), 3, 0.5)
-    assert torch.equal(rm, torch.full((4,), 0.5))
-    assert torch.equal(rv, torch.full((4,), 2.0, dtype=torch.bfloat16))
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_and_half_buffers_take_the_general_path(device):
+    rm = torch.zeros(8, device=device)[::2]
+    rv = torch.ones(4, dtype=torch.bfloat16, device=device)
+    OP(rm, rv, torch.ones(4, device=device), torch.full((4,), 2.0, device=device), 3, 0.5)
+    assert torch.equal(rm, torch.full((4,), 0.5, device=device))
+    assert torch.equal(rv, torch.full((4,), 2.0, dtype=torch.bfloat16, device=device))
 
 
-def test_version_counters_are_bumped():
-    rm, rv = torch.zeros(4), torch.ones(4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_version_counters_are_bumped(device):
+    rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
     before = (rm._version, rv._version)
-    OP(rm, rv, torch.ones(4), torch.ones(4), 3, 0.1)
+    OP(rm, rv, torch.ones(4, device=device), torch.ones(4, device=device), 3, 0.1)
     assert rm._version > before[0] and rv._version > before[1]
 
 
@@ -60,16 +70,19 @@ def test_bad_shape_names_the_argument():
         OP(torch.zeros(4), torch.zeros(5), torch.zeros(4), torch.zeros(4), 3, 0.1)
 
 
-def test_opcheck():
-    args = (torch.zeros(6), torch.ones(6), torch.randn(6), torch.rand(6), 7, 0.1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    args = (torch.zeros(6, device=device), torch.ones(6, device=device), torch.randn(6, device=device),
+            torch.rand(6, device=device), 7, 0.1)
     torch.library.opcheck(OP, args)
 
 
-def test_module_update_equals_torch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_update_equals_torch(device):
     torch.manual_seed(0)
-    ours, native = torch_bn_grad.nn.BatchNorm2d(5), torch.nn.BatchNorm2d(5)
+    ours, native = torch_bn_grad.nn.BatchNorm2d(5).to(device), torch.nn.BatchNorm2d(5).to(device)
     for _ in range(3):
-        x = torch.randn(4, 5, 3, 3) * 3 + 1
+        x = torch.randn(4, 5, 3, 3, device=device) * 3 + 1
         ours(x), native(x)
     torch.testing.assert_close(ours.running_mean, native.running_mean)
     torch.testing.assert_close(ours.running_var, native.running_var)

@@ -43,10 +43,10 @@ void frozen_forward_coefficients(const at::Tensor& mean_d, const at::Tensor& var
                                  const at::Tensor& beta_d, double epsilon, int64_t channels,
                                  const math::AffineArrays<A>& out) {
   ForwardCoefficientArgs<A> args{};
-  args.mean = mean_d.const_data_ptr<double>();
-  args.variance = var_d.const_data_ptr<double>();
-  args.gamma = optional_data(gamma_d);
-  args.beta = optional_data(beta_d);
+  args.mean = channel_in(mean_d);
+  args.variance = channel_in(var_d);
+  args.gamma = channel_in(gamma_d);
+  args.beta = channel_in(beta_d);
   args.epsilon = epsilon;
   args.channels = channels;
   args.affine = {const_cast<A*>(out.mean), nullptr, const_cast<A*>(out.x_scale), const_cast<A*>(out.bias)};
@@ -71,31 +71,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cuda(
   if (src.numel() > 0) {
     const at::Tensor x = to_kernel_layout(src, plan);
     const at::Tensor r = layout_or_undefined(residual, plan);
-    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
-    const at::Tensor beta_d = optional_channels(beta, plan, src);
+    const ChannelValues gamma_v = channel_values(gamma, plan, src);
+    const ChannelValues beta_v = channel_values(beta, plan, src);
     at::Tensor x_scale = channel_vector(plan, src, acc);
     at::Tensor bias = channel_vector(plan, src, acc);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_act_forward_cuda", [&] {
       using A = Acc<scalar_t>;
       ForwardCoefficientArgs<A> args{};
-      args.gamma = optional_data(gamma_d);
-      args.beta = optional_data(beta_d);
+      args.gamma = gamma_v.in;
+      args.beta = beta_v.in;
       args.epsilon = epsilon;
       args.channels = e.channels;
       args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
                      bias.mutable_data_ptr<A>()};
       Partials<Moments<double>> partials;  // alive until the kernels are queued
-      at::Tensor mean_d, var_d;
+      ChannelValues mean_v, var_v;
       if (batch_statistics) {
         args.variance_out = var_k.mutable_data_ptr<A>();
         partials = moment_partials<scalar_t>(x, e);
         args.partials = partials.data;
         args.per_channel = partials.per_channel;
       } else {
-        mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, src);
-        var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
-        args.mean = mean_d.const_data_ptr<double>();
-        args.variance = var_d.const_data_ptr<double>();
+        mean_v = channel_values(mean, plan, src);
+        var_v = channel_values(variance, plan, src);
+        args.mean = mean_v.in;
+        args.variance = var_v.in;
       }
       forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -175,8 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
       using A = Acc<scalar_t>;
       BackwardCoefficientArgs<A> args{};
       args.mean = centre_k.const_data_ptr<A>();
-      args.variance = var_d.const_data_ptr<double>();
-      args.gamma = optional_data(gamma_d);
+      args.variance = channel_in(var_d);
+      args.gamma = channel_in(gamma_d);
       args.unit = optional_data(unit);
       args.epsilon = epsilon;
       args.channels = e.channels;
@@ -186,8 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
         args.affine = {nullptr, dy_scale.mutable_data_ptr<A>(), x_scale.mutable_data_ptr<A>(),
                        bias.mutable_data_ptr<A>()};
       }
-      if (dg.defined()) args.diff_gamma = dg.mutable_data_ptr<double>();
-      if (db.defined()) args.diff_beta = db.mutable_data_ptr<double>();
+      args.diff_gamma = channel_out(dg);
+      args.diff_beta = channel_out(db);
       scalar_t* dz_out = output_mask[3] ? dz.buffer.mutable_data_ptr<scalar_t>() : nullptr;
       const A slope = static_cast<A>(negative_slope);
 

@@ -40,15 +40,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
   KernelOutput out = make_kernel_output(src, plan);
   if (src.numel() > 0) {
     const at::Tensor x = to_kernel_layout(src, plan);
-    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
-    const at::Tensor beta_d = optional_channels(beta, plan, src);
+    const ChannelValues gamma_v = channel_values(gamma, plan, src);
+    const ChannelValues beta_v = channel_values(beta, plan, src);
     at::Tensor x_scale = channel_vector(plan, src, acc);
     at::Tensor bias = channel_vector(plan, src, acc);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_forward_cuda", [&] {
       using A = Acc<scalar_t>;
       ForwardCoefficientArgs<A> args{};
-      args.gamma = optional_data(gamma_d);
-      args.beta = optional_data(beta_d);
+      args.gamma = gamma_v.in;
+      args.beta = beta_v.in;
       args.epsilon = epsilon;
       args.channels = e.channels;
       args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
@@ -58,16 +58,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
         if (persistent_forward<scalar_t>(x, out.buffer, e, args)) return;
       }
       Partials<Moments<double>> partials;  // these stay alive until the kernels are queued
-      at::Tensor mean_d, var_d;
+      ChannelValues mean_v, var_v;
       if (batch_statistics) {
         partials = moment_partials<scalar_t>(x, e);
         args.partials = partials.data;
         args.per_channel = partials.per_channel;
       } else {
-        mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, src);
-        var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
-        args.mean = mean_d.const_data_ptr<double>();
-      args.variance = var_d.const_data_ptr<double>();
+        mean_v = channel_values(mean, plan, src);
+        var_v = channel_values(variance, plan, src);
+        args.mean = mean_v.in;
+        args.variance = var_v.in;
       }
       forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -104,16 +104,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
   const bool need_sums = training || output_mask[1] || output_mask[2];
   const bool need_diff_src = output_mask[0] && src.numel() > 0;
 
+  const auto stats_dtype = mean.scalar_type();
   KernelOutput out;
   if (output_mask[0]) out = make_kernel_output(src, plan);
-  at::Tensor dg = output_mask[1] ? channel_vector(plan, src, at::kDouble) : at::Tensor();
-  at::Tensor db = output_mask[2] ? channel_vector(plan, src, at::kDouble) : at::Tensor();
+  const ChannelResult dg = output_mask[1] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
+  const ChannelResult db = output_mask[2] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
 
   if (e.channels > 0 && (need_diff_src || output_mask[1] || output_mask[2])) {
     const at::Tensor x = to_kernel_layout(src, plan);
     const at::Tensor mean_k = to_kernel_channels(mean, plan, acc, 0, src);
-    const at::Tensor var_d = to_kernel_channels(variance, plan, at::kDouble, 0, src);
-    const at::Tensor gamma_d = optional_channels(gamma, plan, src);
+    const ChannelValues var_v = channel_values(variance, plan, src);
+    const ChannelValues gamma_v = channel_values(gamma, plan, src);
     at::Tensor dy;
     if (need_diff_src || (need_sums && M > 0)) dy = to_kernel_layout(diff_dst, plan);
     at::Tensor dy_scale, x_scale, bias;
@@ -126,8 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
       using A = Acc<scalar_t>;
       BackwardCoefficientArgs<A> args{};
       args.mean = mean_k.const_data_ptr<A>();
-      args.variance = var_d.const_data_ptr<double>();
-      args.gamma = optional_data(gamma_d);
+      args.variance = var_v.in;
+      args.gamma = gamma_v.in;
       args.epsilon = epsilon;
       args.channels = e.channels;
       args.reduced = M;
@@ -136,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
         args.affine = {nullptr, dy_scale.mutable_data_ptr<A>(), x_scale.mutable_data_ptr<A>(),
                        bias.mutable_data_ptr<A>()};
       }
-      if (dg.defined()) args.diff_gamma = dg.mutable_data_ptr<double>();
-      if (db.defined()) args.diff_beta = db.mutable_data_ptr<double>();
+      args.diff_gamma = dg.out;
+      args.diff_beta = db.out;
       Partials<GradSums<double>> partials;  // alive until the kernels are queued
       if (need_sums && M > 0) {
         scalar_t* dst = need_diff_src ? out.buffer.mutable_data_ptr<scalar_t>() : nullptr;
@@ -158,10 +159,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
     if (need_diff_src) finish_kernel_output(out, plan);
   }
 
-  const auto stats_dtype = mean.scalar_type();
   return {output_mask[0] ? out.result : at::empty({0}, src.options()),
-          output_mask[1] ? from_kernel_channels(dg, plan, stats_dtype, src) : at::empty({0}, mean.options()),
-          output_mask[2] ? from_kernel_channels(db, plan, stats_dtype, src) : at::empty({0}, mean.options())};
+          output_mask[1] ? dg.finish(plan, stats_dtype, src) : at::empty({0}, mean.options()),
+          output_mask[2] ? db.finish(plan, stats_dtype, src) : at::empty({0}, mean.options())};
 }
 
 }  // namespace

@@ -65,8 +65,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
       ForwardCoefficientArgs<A> args{};
       args.partials = partials.data;
       args.per_channel = partials.per_channel;
-      args.gamma = optional_data(gamma_d);
-      args.beta = optional_data(beta_d);
+      args.gamma = channel_in(gamma_d);
+      args.beta = channel_in(beta_d);
       args.epsilon = epsilon;
       args.channels = e.channels;
       args.variance_out = var_k.mutable_data_ptr<A>();

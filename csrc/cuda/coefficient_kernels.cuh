@@ -9,6 +9,7 @@
 
 #include "batch_norm_math.h"
 #include "cuda/block_reduce.cuh"
+#include "cuda/channel_values.cuh"
 #include "cuda/thread_states.cuh"
 
 namespace torch_bn_grad::cuda {
@@ -36,10 +37,10 @@ struct ForwardCoefficientArgs {
   const Moments<double>* partials;
   int64_t per_channel;
   // Frozen statistics (unused with partials).
-  const double* mean;
-  const double* variance;
-  const double* gamma;  // null: 1
-  const double* beta;   // null: 0
+  ChannelIn mean;
+  ChannelIn variance;
+  ChannelIn gamma;  // absent: 1
+  ChannelIn beta;   // absent: 0
   double epsilon;
   int64_t channels;
   A* variance_out;  // batch statistics only
@@ -52,8 +53,8 @@ struct ForwardCoefficientArgs {
 template <typename A>
 __device__ __forceinline__ void store_forward_coefficients(const ForwardCoefficientArgs<A>& a, int64_t k,
                                                            double mean, double variance) {
-  const double gamma = a.gamma != nullptr ? a.gamma[k] : 1.0;
-  const double beta = a.beta != nullptr ? a.beta[k] : 0.0;
+  const double gamma = a.gamma.at(k, 1.0);
+  const double beta = a.beta.at(k, 0.0);
   if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
   a.affine.store(k, math::channel_affine<A>(mean, math::forward_coefficients(variance, gamma, beta, a.epsilon)));
 }
@@ -69,8 +70,8 @@ __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardC
     mean = m.mean;
     variance = math::variance_of(m);
   } else {
-    mean = a.mean[k];
-    variance = a.variance[k];
+    mean = a.mean.at(k, 0.0);
+    variance = a.variance.at(k, 0.0);
   }
   if (lane == 0) store_forward_coefficients(a, k, mean, variance);
 }
@@ -85,8 +86,8 @@ struct BackwardCoefficientArgs {
   // subtracts. Its dtype is at most as precise as A, so it is the exact mean:
   // the sums need no re-centring and the bias no correction.
   const A* mean;
-  const double* variance;
-  const double* gamma;  // null: 1
+  ChannelIn variance;
+  ChannelIn gamma;  // absent: 1
   // null: 1. Else x_true - mean = (x - mean) / unit: the memory-saving
   // backward reads u = gamma * rstd * (x_true - mean) + beta, `mean` being beta.
   const double* unit;
@@ -97,8 +98,8 @@ struct BackwardCoefficientArgs {
   // dy_scale, x_scale and bias (mean unused); null arrays when diff_src is
   // not needed.
   AffineOutputs<A> affine;
-  double* diff_gamma;  // null when masked
-  double* diff_beta;   // null when masked
+  ChannelOut diff_gamma;  // null when masked
+  ChannelOut diff_beta;   // null when masked
 };
 
 // Channel k's coefficients and parameter gradients from its two sums.
@@ -107,17 +108,17 @@ __device__ __forceinline__ void store_backward_coefficients(const BackwardCoeffi
                                                             const GradSums<double>& taken) {
   GradSums<double> sums = taken;
   if (p.unit != nullptr) sums.sum_dy_xc /= p.unit[k];
-  const double rstd = math::rstd_of(p.variance[k], p.epsilon);
+  const double rstd = math::rstd_of(p.variance.at(k, 0.0), p.epsilon);
   if (p.affine.x_scale != nullptr) {
-    const double gamma = p.gamma != nullptr ? p.gamma[k] : 1.0;
+    const double gamma = p.gamma.at(k, 1.0);
     math::BackwardCoefficients c =
         math::backward_coefficients(rstd, gamma, sums, static_cast<double>(p.reduced), p.training);
     if (p.unit != nullptr) c.x_scale /= p.unit[k];
     p.affine.store(k, math::channel_affine<A>(static_cast<double>(p.mean[k]), c));
   }
   const math::ParameterGrads grads = math::parameter_grads(rstd, sums);
-  if (p.diff_gamma != nullptr) p.diff_gamma[k] = grads.diff_gamma;
-  if (p.diff_beta != nullptr) p.diff_beta[k] = grads.diff_beta;
+  if (p.diff_gamma.wanted()) p.diff_gamma.set(k, grads.diff_gamma);
+  if (p.diff_beta.wanted()) p.diff_beta.set(k, grads.diff_beta);
 }
 
 template <typename A>

@@ -101,15 +101,6 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
   affine_all<T>(b, x, dy, dx, e, coefficients);
 }
 
-// ---------------------------------------------------------------- running statistics
-// at::lerp's formula (ATen/native/Lerp.h), fused as its vectorized CPU kernel
-// fuses it, so that small and large channel counts round alike.
-template <typename T>
-T lerp(T start, T end, T weight) {
-  const bool near_start = std::abs(weight) < T(0.5);
-  return std::fma(near_start ? weight : weight - T(1), end - start, near_start ? start : end);
-}
-
 // ---------------------------------------------------------------- entry points
 #define TBG_DISPATCH(tensor, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
@@ -149,7 +140,7 @@ void update_running(const at::Tensor& running, const at::Tensor& batch, double f
     // b * f rounded on its own, as at::mul rounds it: written as a plain
     // product, GCC (with -mfma) fused it into lerp's subtraction.
     for (int64_t k = 0; k < running.numel(); ++k)
-      r[k] = lerp(r[k], factor == 1.0 ? b[k] : std::fma(b[k], f, scalar_t(-0.0)), w);
+      r[k] = math::lerp(r[k], factor == 1.0 ? b[k] : std::fma(b[k], f, scalar_t(-0.0)), w);
   });
 }
 
