@@ -83,11 +83,12 @@ functional_collectives = (
 )
 
 
-def all_gather_single(tensor: Any, gather_dim: int, group: Any) -> Any:
-    """Functional all-gather along ``gather_dim``: ``all_gather_single`` on torch
-    2.14, ``all_gather_tensor`` (the same signature and result) before it."""
-    gather = getattr(functional_collectives, "all_gather_single", None) or functional_collectives.all_gather_tensor
-    return gather(tensor, gather_dim, group)
+# Functional all-gather along a dim, ``(tensor, gather_dim, group)``: ``all_gather_single``
+# on torch 2.14, ``all_gather_tensor`` (the same signature and result) before it.
+all_gather_single: Optional[Callable[..., Any]] = None
+if functional_collectives is not None:
+    all_gather_single = (getattr(functional_collectives, "all_gather_single", None)
+                         or functional_collectives.all_gather_tensor)
 
 
 def _onnx_export_flags():
