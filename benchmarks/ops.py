@@ -105,7 +105,9 @@ def describe_device(device: str) -> str:
         return (f"torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}), "
                 f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB")
     return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-            f"kernels {torch_bn_grad.cpu_kernel_isa()}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
+            f"kernels {torch_bn_grad.cpu_kernel_isa()}, "
+            f"channel runs from {torch_bn_grad._C.cpu_channel_runs_min_pass_bytes() >> 20} MB, "
+            f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
 
 
 def _short_device_name(device: str) -> str:

@@ -11,6 +11,10 @@ namespace torch_bn_grad {
 // (cpu/kernel_table.cpp).
 const char* cpu_kernel_isa();
 
+// The smallest backward pass (bytes of its operands) the CPU kernels run in
+// channel runs (cpu/cache_geometry.h).
+int64_t cpu_channel_runs_min_pass_bytes();
+
 // The CPU output cache (cpu/output_cache.h) and its counters.
 struct OutputCacheStats {
   int64_t limit_bytes;   // most idle bytes kept

@@ -12,6 +12,11 @@ PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(torch_bn_grad::cpu_kernel_isa());
 }
 
+// `cpu_channel_runs_min_pass_bytes()`: from which pass size the CPU backward runs in channel runs.
+PyObject* cpu_channel_runs_min_pass_bytes(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(static_cast<long long>(torch_bn_grad::cpu_channel_runs_min_pass_bytes()));
+}
+
 // `output_cache_info()`: the CPU output cache's counters, as a dict.
 PyObject* output_cache_info(PyObject*, PyObject*) {
   const auto s = torch_bn_grad::output_cache_stats();
@@ -39,6 +44,8 @@ PyObject* empty_output_cache(PyObject*, PyObject*) {
 PyMethodDef methods[] = {
     {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
      "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
+    {"cpu_channel_runs_min_pass_bytes", cpu_channel_runs_min_pass_bytes, METH_NOARGS,
+     "Smallest backward pass (bytes of its operands) the CPU kernels run in channel runs."},
     {"output_cache_info", output_cache_info, METH_NOARGS, "Counters of the CPU output cache."},
     {"set_output_cache_limit", set_output_cache_limit, METH_O, "Most idle bytes the CPU output cache keeps."},
     {"empty_output_cache", empty_output_cache, METH_NOARGS, "Frees the CPU output cache's idle blocks."},

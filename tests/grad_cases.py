@@ -85,9 +85,10 @@ _BOUNDS = {"torch.float64": 1e-12, "torch.float32": 2e-5, "torch.float16": 2e-3,
 _PARAMETER_BOUNDS = {"torch.float64": 1e-10, "torch.float32": 1e-4, "torch.float16": 1e-3, "torch.bfloat16": 1e-3}
 
 
-def check_cases(cases: str) -> None:
-    """Runs `cases` (a Python list literal) on every ISA and checks them."""
-    for capability, run in run_on_every_isa(_SCRIPT.replace("CASES", cases, 1)).items():
+def check_cases(cases: str, env: dict[str, str] | None = None) -> None:
+    """Runs `cases` (a Python list literal) on every ISA, with `env` added to
+    the environment, and checks them."""
+    for capability, run in run_on_every_isa(_SCRIPT.replace("CASES", cases, 1), env).items():
         assert all(run["same_bits"]), (capability, run["same_bits"])
         for case in run["errors"]:
             dtype = case["case"].split()[-4]

@@ -24,12 +24,13 @@ def capabilities() -> list[str]:
     return _ORDER[: _ORDER.index(supported) + 1] if supported in _ORDER else ["default"]
 
 
-def run_on_every_isa(script: str) -> dict[str, dict]:
-    """`script`'s JSON output per ISA, each checked to have run on that ISA."""
+def run_on_every_isa(script: str, env: dict[str, str] | None = None) -> dict[str, dict]:
+    """`script`'s JSON output per ISA, each checked to have run on that ISA;
+    `env` adds to the environment of its processes."""
     runs = {}
     for capability in capabilities():
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        process_env = dict(os.environ, **(env or {}), ATEN_CPU_CAPABILITY=capability)
+        proc = subprocess.run([sys.executable, "-c", script], env=process_env, capture_output=True, text=True)
         assert proc.returncode == 0, (capability, proc.stderr)
         run = json.loads(proc.stdout)
         assert run["isa"] == capability.upper(), (capability, run["isa"])

@@ -1,20 +1,32 @@
 """The backward in channel runs.
 
 Where planes are short (under 1 KiB, or under 4 KiB on a 4 MB tensor), are
-reduced as planes, and the backward's operands do not fit in the L3 (32 MB),
-each thread reduces a run of adjacent channels, finishes them and runs their
-elementwise pass while they are still in its L2 (``channel_run_channels`` in
-``csrc/cpu/kernels/partition.h``). Every case below takes that path but the
-last, whose odd channel count keeps 14x14 planes in the whole-array pass: a
-last run shorter than the others, runs of 7x7 planes of eight channels each
-(where the fused forward's sign bits start on a byte), 28x28 half-precision
-planes, and the fused operators' gates (sign bits, the output in the
-memory-saving mode, the recomputed input of silu, with a residual).
+reduced as planes, and the backward's operands are at least
+``channel_runs_min_pass_bytes`` (``csrc/cpu/cache_geometry.cpp``: the L3's
+size where it is a CCD's or a client chip's, 8 MB under a server's mesh L3,
+or ``TORCH_BN_GRAD_CHANNEL_RUNS_MB``), each thread reduces a run of adjacent
+channels, finishes them and runs their elementwise pass while they are still
+in its L2 (``channel_run_channels`` in ``csrc/cpu/kernels/partition.h``).
+
+The accuracy cases run with the threshold at 32 MB, whatever this machine's
+caches, so that each takes the path it names: every case below takes the runs
+but the last, whose odd channel count keeps 14x14 planes in the whole-array
+pass: a last run shorter than the others, runs of 7x7 planes of eight channels
+each (where the fused forward's sign bits start on a byte), 28x28
+half-precision planes, and the fused operators' gates (sign bits, the output
+in the memory-saving mode, the recomputed input of silu, with a residual).
+The two orders must give the same bits, and the threshold is read from the
+environment with a clear error.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from grad_cases import check_cases
+from isa_runs import run_on_every_isa
 
 _CASES = """[
     ((16, 1024, 14, 14), torch.float32, None, False, False),     # runs of 14 channels, the last of 2
@@ -29,4 +41,55 @@ _CASES = """[
 
 
 def test_channel_runs_on_every_isa():
-    check_cases(_CASES)
+    check_cases(_CASES, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "32"})
+
+
+# The backward of each case, plain and fused, as the bytes of its gradients.
+_SAME_BITS_SCRIPT = r"""
+import hashlib, json, torch, torch_bn_grad
+g = torch.Generator().manual_seed(11)
+digests = []
+for shape, dtype, act in [((32, 256, 14, 14), torch.float32, None), ((16, 128, 28, 28), torch.float32, "relu"),
+                          ((8, 512, 14, 14), torch.bfloat16, "leaky_relu"), ((32, 130, 14, 14), torch.float16, None)]:
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype)
+    gamma = (torch.rand(shape[1], generator=g) + 0.5).requires_grad_()
+    beta = torch.randn(shape[1], generator=g).requires_grad_()
+    if act is None:
+        out = torch_bn_grad.batch_norm_forward(x, gamma, beta, epsilon=1e-5)[0]
+    else:
+        out = torch_bn_grad.batch_norm_act_forward(x, gamma, beta, epsilon=1e-5, activation=act)[0]
+    grads = torch.autograd.grad(out, (x, gamma, beta), dy)
+    digests.append(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in grads)).hexdigest())
+print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "digests": digests,
+                  "min_pass_bytes": torch_bn_grad._C.cpu_channel_runs_min_pass_bytes()}))
+"""
+
+
+def test_runs_and_the_whole_array_pass_give_the_same_bits():
+    runs = run_on_every_isa(_SAME_BITS_SCRIPT, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "0"})
+    whole = run_on_every_isa(_SAME_BITS_SCRIPT, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "100000"})
+    for capability, run in runs.items():
+        assert run["min_pass_bytes"] == 0 and whole[capability]["min_pass_bytes"] == 100000 << 20
+        assert run["digests"] == whole[capability]["digests"], capability
+
+
+def _threshold_with_env(value: str) -> subprocess.CompletedProcess:
+    code = "import torch_bn_grad as t; print(t._C.cpu_channel_runs_min_pass_bytes())"
+    env = dict(os.environ, TORCH_BN_GRAD_CHANNEL_RUNS_MB=value)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_threshold_comes_from_the_environment_or_the_caches():
+    done = _threshold_with_env("12")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(12 << 20)
+    done = _threshold_with_env("")  # unset: from the L3, at least the mesh's 8 MB
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) >= 8 << 20
+
+
+def test_a_malformed_threshold_is_a_clear_error():
+    done = _threshold_with_env("big")
+    assert done.returncode != 0
+    assert "TORCH_BN_GRAD_CHANNEL_RUNS_MB: expected a non-negative integer (megabytes), got 'big'" in done.stderr

@@ -4,11 +4,12 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "cpu/environment.h"
 
 namespace torch_bn_grad::cpu {
 namespace {
@@ -18,17 +19,6 @@ constexpr size_t kMinCachedBytes = size_t{1} << 20;
 // Sizes are rounded up to this, so near-equal requests share blocks.
 constexpr size_t kGranule = size_t{1} << 16;
 constexpr int64_t kDefaultLimitBytes = int64_t{2} << 30;
-
-int64_t limit_from_environment() {
-  const char* mb = std::getenv("TORCH_BN_GRAD_OUTPUT_CACHE_MB");
-  if (mb == nullptr || *mb == '\0') return kDefaultLimitBytes;
-  char* end = nullptr;
-  const long long value = std::strtoll(mb, &end, 10);
-  TORCH_CHECK_VALUE(end != mb && *end == '\0' && value >= 0,
-                    "TORCH_BN_GRAD_OUTPUT_CACHE_MB: expected a non-negative integer (megabytes), got '", mb,
-                    "'");
-  return static_cast<int64_t>(value) << 20;
-}
 
 // One block of memory; the context of every DataPtr the cache hands out.
 struct Block {
@@ -76,7 +66,7 @@ class OutputCache final : public c10::Allocator {
   }
 
  private:
-  OutputCache() : limit_(limit_from_environment()) {}
+  OutputCache() : limit_(megabytes_from_environment("TORCH_BN_GRAD_OUTPUT_CACHE_MB", kDefaultLimitBytes)) {}
 
   // The most recently freed idle block of exactly `size` bytes, or null.
   Block* take(size_t size) {

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "batch_norm_math.h"
+#include "cpu/cache_geometry.h"
 #include "extent.h"
 
 namespace torch_bn_grad::cpu {
@@ -287,22 +288,20 @@ void for_each_column_block(const Blocks& b, const Extent& e, const Reduce& reduc
 // (short_planes) and reduced as planes: it reduces their blocks, finishes
 // them, and runs their elementwise pass over each outer row's run of
 // channels while their `inputs` operands are still in its L2 (the
-// whole-array pass in memory order reads them from memory a second time).
-// About kRunBytes of input a run, in units of planes_per_bits_unit channels,
-// so that each row of a run starts on a byte of the sign bits; 0 when
-// the runs do not apply: planes reduced as segments, a channel count that is
-// no multiple of the unit, or a pass whose operands (inputs and output) fit
-// in the L3 (32 MB here), where the memory-order pass reads them from it.
-// Measured on float32 backward passes (separate builds alternating, 2
-// threads), time in runs: 32x512x28x28 (154 MB) 0.76x-0.85x, 32x1024x14x14
-// 0.91x, 32x128x28x28 (38 MB) level, 32x256x14x14 (19 MB) 1.2x. The
-// forward does not use them: 32x1024x14x14 took 1.15x the time (its
-// reduction reads x alone; the memory-order pass streams better).
+// whole-array pass in memory order reads them a second time from the L3 or
+// memory). About kRunBytes of input a run, in units of planes_per_bits_unit
+// channels, so that each row of a run starts on a byte of the sign bits; 0
+// when the runs do not apply: planes reduced as segments, a channel count
+// that is no multiple of the unit, or a pass smaller than
+// channel_runs_min_pass_bytes (cpu/cache_geometry.cpp: which L3s read back
+// fast enough, with the measurements). The forward does not use them:
+// 32x1024x14x14 took 1.15x the time on an AMD Zen 5 (its reduction reads x
+// alone; the memory-order pass streams better).
 inline int64_t channel_run_channels(const Blocks& b, const Extent& e, size_t element_bytes, int inputs) {
-  constexpr int64_t kRunBytes = 384 << 10, kRunPassBytes = int64_t{32} << 20;
+  constexpr int64_t kRunBytes = 384 << 10;
   if (!short_planes(b, e, element_bytes) || reduces_as_segments(b, e, element_bytes)) return 0;
   const int64_t channel_bytes = e.outer * e.inner * static_cast<int64_t>(element_bytes);
-  if ((inputs + 1) * e.channels * channel_bytes < kRunPassBytes) return 0;
+  if ((inputs + 1) * e.channels * channel_bytes < channel_runs_min_pass_bytes()) return 0;
   const int64_t unit = planes_per_bits_unit(e.inner);
   if (e.channels % unit != 0) return 0;
   const int64_t fit = std::max<int64_t>(1, kRunBytes / (channel_bytes * inputs)) / unit * unit;
