@@ -106,8 +106,15 @@ def describe_device(device: str) -> str:
                 f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB")
     return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
             f"kernels {torch_bn_grad.cpu_kernel_isa()}, "
-            f"channel runs from {torch_bn_grad._C.cpu_channel_runs_min_pass_bytes() >> 20} MB, "
+            f"{_channel_runs()}, "
             f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}")
+
+
+def _channel_runs() -> str:
+    """From which pass size the CPU kernels run in channel runs (csrc/cpu/cache_geometry.cpp)."""
+    sizes = torch_bn_grad._C.cpu_channel_runs_min_pass_bytes()
+    return "channel runs from " + " / ".join(
+        f"{'never' if size is None else f'{size >> 20} MB'} {direction}" for direction, size in sizes.items())
 
 
 def _short_device_name(device: str) -> str:

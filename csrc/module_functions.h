@@ -11,9 +11,13 @@ namespace torch_bn_grad {
 // (cpu/kernel_table.cpp).
 const char* cpu_kernel_isa();
 
-// The smallest backward pass (bytes of its operands) the CPU kernels run in
-// channel runs (cpu/cache_geometry.h).
-int64_t cpu_channel_runs_min_pass_bytes();
+// The smallest forward and backward passes (bytes of their operands) the CPU
+// kernels run in channel runs (cpu/cache_geometry.h); INT64_MAX: never.
+struct ChannelRunThresholds {
+  int64_t forward_bytes;
+  int64_t backward_bytes;
+};
+ChannelRunThresholds cpu_channel_runs_min_pass_bytes();
 
 // The CPU output cache (cpu/output_cache.h) and its counters.
 struct OutputCacheStats {

@@ -3,6 +3,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "module_functions.h"
 
 namespace {
@@ -12,9 +14,20 @@ PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(torch_bn_grad::cpu_kernel_isa());
 }
 
-// `cpu_channel_runs_min_pass_bytes()`: from which pass size the CPU backward runs in channel runs.
+// `cpu_channel_runs_min_pass_bytes()`: from which pass size (bytes of its operands) the CPU forward and
+// backward run in channel runs, as a dict; None: never.
 PyObject* cpu_channel_runs_min_pass_bytes(PyObject*, PyObject*) {
-  return PyLong_FromLongLong(static_cast<long long>(torch_bn_grad::cpu_channel_runs_min_pass_bytes()));
+  const auto t = torch_bn_grad::cpu_channel_runs_min_pass_bytes();
+  auto value = [](int64_t bytes) -> PyObject* {
+    if (bytes == std::numeric_limits<int64_t>::max()) Py_RETURN_NONE;
+    return PyLong_FromLongLong(static_cast<long long>(bytes));
+  };
+  PyObject* forward = value(t.forward_bytes);
+  PyObject* backward = value(t.backward_bytes);
+  PyObject* dict = Py_BuildValue("{sOsO}", "forward", forward, "backward", backward);
+  Py_XDECREF(forward);
+  Py_XDECREF(backward);
+  return dict;
 }
 
 // `output_cache_info()`: the CPU output cache's counters, as a dict.
@@ -45,7 +58,7 @@ PyMethodDef methods[] = {
     {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
      "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
     {"cpu_channel_runs_min_pass_bytes", cpu_channel_runs_min_pass_bytes, METH_NOARGS,
-     "Smallest backward pass (bytes of its operands) the CPU kernels run in channel runs."},
+     "Smallest forward and backward passes (bytes of their operands) the CPU kernels run in channel runs."},
     {"output_cache_info", output_cache_info, METH_NOARGS, "Counters of the CPU output cache."},
     {"set_output_cache_limit", set_output_cache_limit, METH_O, "Most idle bytes the CPU output cache keeps."},
     {"empty_output_cache", empty_output_cache, METH_NOARGS, "Frees the CPU output cache's idle blocks."},

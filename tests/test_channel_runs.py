@@ -1,16 +1,18 @@
-"""The backward in channel runs.
+"""The forward and the backward in channel runs.
 
 Where planes are short (under 1 KiB, or under 4 KiB on a 4 MB tensor), are
-reduced as planes, and the backward's operands are at least
-``channel_runs_min_pass_bytes`` (``csrc/cpu/cache_geometry.cpp``: the L3's
-size where it is a CCD's or a client chip's, 8 MB under a server's mesh L3,
-or ``TORCH_BN_GRAD_CHANNEL_RUNS_MB``), each thread reduces a run of adjacent
-channels, finishes them and runs their elementwise pass while they are still
-in its L2 (``channel_run_channels`` in ``csrc/cpu/kernels/partition.h``).
+reduced as planes, and a pass's operands are at least
+``channel_runs_min_pass_bytes`` (``csrc/cpu/cache_geometry.cpp``: 8 MB under
+a server's mesh L3; where the L3 is a CCD's or a client chip's, its size for
+the backward and never for the forward; or ``TORCH_BN_GRAD_CHANNEL_RUNS_MB``
+for both), each thread reduces a run of adjacent channels, finishes them and
+runs their elementwise pass while they are still in its L2
+(``channel_run_channels`` in ``csrc/cpu/kernels/partition.h``).
 
-The accuracy cases run with the threshold at 32 MB, whatever this machine's
-caches, so that each takes the path it names: every case below takes the runs
-but the last, whose odd channel count keeps 14x14 planes in the whole-array
+The accuracy cases run with the threshold at 8 MB, whatever this machine's
+caches, so that each takes the path it names, forward and backward (the
+fused forward writes its sign bits a run row at a time): every case below
+takes the runs but the last, whose odd channel count keeps 14x14 planes in the whole-array
 pass: a last run shorter than the others, runs of 7x7 planes of eight channels
 each (where the fused forward's sign bits start on a byte), 28x28
 half-precision planes, and the fused operators' gates (sign bits, the output
@@ -21,6 +23,7 @@ environment with a clear error.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +32,7 @@ from grad_cases import check_cases
 from isa_runs import run_on_every_isa
 
 _CASES = """[
-    ((16, 1024, 14, 14), torch.float32, None, False, False),     # runs of 14 channels, the last of 2
+    ((16, 1024, 14, 14), torch.float32, None, False, False),     # backward runs of 14 channels: a thread's last of 8 or 2
     ((16, 1024, 14, 14), torch.float32, "relu", False, True),    # sign bits, 2 planes to a unit
     ((8, 8192, 7, 7), torch.float32, "relu", False, False),      # 7x7 planes of 8 rows: units of 8 planes
     ((16, 520, 28, 28), torch.bfloat16, "leaky_relu", False, False),
@@ -41,7 +44,7 @@ _CASES = """[
 
 
 def test_channel_runs_on_every_isa():
-    check_cases(_CASES, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "32"})
+    check_cases(_CASES, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "8"})
 
 
 # The backward of each case, plain and fused, as the bytes of its gradients.
@@ -56,11 +59,12 @@ for shape, dtype, act in [((32, 256, 14, 14), torch.float32, None), ((16, 128, 2
     gamma = (torch.rand(shape[1], generator=g) + 0.5).requires_grad_()
     beta = torch.randn(shape[1], generator=g).requires_grad_()
     if act is None:
-        out = torch_bn_grad.batch_norm_forward(x, gamma, beta, epsilon=1e-5)[0]
+        outs = torch_bn_grad.batch_norm_forward(x, gamma, beta, epsilon=1e-5)
     else:
-        out = torch_bn_grad.batch_norm_act_forward(x, gamma, beta, epsilon=1e-5, activation=act)[0]
-    grads = torch.autograd.grad(out, (x, gamma, beta), dy)
-    digests.append(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in grads)).hexdigest())
+        outs = torch_bn_grad.batch_norm_act_forward(x, gamma, beta, epsilon=1e-5, activation=act)
+    grads = torch.autograd.grad(outs[0], (x, gamma, beta), dy)
+    tensors = [t.detach().contiguous() for t in (*outs, *grads)]
+    digests.append(hashlib.sha256(b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors)).hexdigest())
 print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "digests": digests,
                   "min_pass_bytes": torch_bn_grad._C.cpu_channel_runs_min_pass_bytes()}))
 """
@@ -70,12 +74,13 @@ def test_runs_and_the_whole_array_pass_give_the_same_bits():
     runs = run_on_every_isa(_SAME_BITS_SCRIPT, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "0"})
     whole = run_on_every_isa(_SAME_BITS_SCRIPT, {"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "100000"})
     for capability, run in runs.items():
-        assert run["min_pass_bytes"] == 0 and whole[capability]["min_pass_bytes"] == 100000 << 20
+        assert run["min_pass_bytes"] == {"forward": 0, "backward": 0}
+        assert whole[capability]["min_pass_bytes"] == {"forward": 100000 << 20, "backward": 100000 << 20}
         assert run["digests"] == whole[capability]["digests"], capability
 
 
 def _threshold_with_env(value: str) -> subprocess.CompletedProcess:
-    code = "import torch_bn_grad as t; print(t._C.cpu_channel_runs_min_pass_bytes())"
+    code = "import json, torch_bn_grad as t; print(json.dumps(t._C.cpu_channel_runs_min_pass_bytes()))"
     env = dict(os.environ, TORCH_BN_GRAD_CHANNEL_RUNS_MB=value)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
@@ -83,10 +88,11 @@ def _threshold_with_env(value: str) -> subprocess.CompletedProcess:
 def test_the_threshold_comes_from_the_environment_or_the_caches():
     done = _threshold_with_env("12")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(12 << 20)
-    done = _threshold_with_env("")  # unset: from the L3, at least the mesh's 8 MB
+    assert json.loads(done.stdout) == {"forward": 12 << 20, "backward": 12 << 20}
+    done = _threshold_with_env("")  # unset: from the L3, at least 8 MB; the forward's None (never) or 8 MB
     assert done.returncode == 0, done.stderr
-    assert int(done.stdout) >= 8 << 20
+    sizes = json.loads(done.stdout)
+    assert sizes["backward"] >= 8 << 20 and sizes["forward"] in (None, 8 << 20)
 
 
 def test_a_malformed_threshold_is_a_clear_error():

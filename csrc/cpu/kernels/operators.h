@@ -126,6 +126,12 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
     set_forward_affine(co, g, m.mean, v, gamma, beta, eps, r != nullptr);
   };
   auto normalize = [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); };
+  if (const int64_t run = channel_run_channels(b, e, sizeof(T), RunPass::kForward)) {
+    for_each_channel_run(
+        b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
+        [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, r, y, e, k0, k1, coefficients, ep); });
+    return;
+  }
   if (per_channel_strategy(b, e, sizeof(T))) {
     for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, normalize);
     return;
@@ -196,7 +202,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   };
   auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
   if (need_sums && dx) {
-    if (const int64_t run = channel_run_channels(b, e, sizeof(T), 2)) {
+    if (const int64_t run = channel_run_channels(b, e, sizeof(T), RunPass::kBackward)) {
       for_each_channel_run(
           b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
           [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, dy, dx, e, k0, k1, coefficients, ep); });
