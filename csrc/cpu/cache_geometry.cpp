@@ -1,7 +1,9 @@
 // The caches' effect on the pass order (see cache_geometry.h).
 #include "cpu/cache_geometry.h"
 
+#if __has_include(<unistd.h>)
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <limits>
