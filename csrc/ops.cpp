@@ -1,13 +1,32 @@
 // The operator schemas (one TORCH_LIBRARY block for every backend) and the
 // Python module that loads them.
 #include <Python.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <exception>
 #include <limits>
 
 #include "module_functions.h"
 
 namespace {
+
+// Runs f, a module function's body, turning a C++ exception into the Python
+// one it stands for (a bad environment setting is a ValueError) instead of
+// letting it unwind through the interpreter, which would abort the process.
+template <typename F>
+PyObject* raising_python_errors(const F& f) {
+  try {
+    return f();
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
 
 // `torch_bn_grad._C.cpu_kernel_isa()`: which compiled copy of the CPU kernels runs.
 PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
@@ -17,25 +36,29 @@ PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
 // `cpu_channel_runs_min_pass_bytes()`: from which pass size (bytes of its operands) the CPU forward and
 // backward run in channel runs, as a dict; None: never.
 PyObject* cpu_channel_runs_min_pass_bytes(PyObject*, PyObject*) {
-  const auto t = torch_bn_grad::cpu_channel_runs_min_pass_bytes();
-  auto value = [](int64_t bytes) -> PyObject* {
-    if (bytes == std::numeric_limits<int64_t>::max()) Py_RETURN_NONE;
-    return PyLong_FromLongLong(static_cast<long long>(bytes));
-  };
-  PyObject* forward = value(t.forward_bytes);
-  PyObject* backward = value(t.backward_bytes);
-  PyObject* dict = Py_BuildValue("{sOsO}", "forward", forward, "backward", backward);
-  Py_XDECREF(forward);
-  Py_XDECREF(backward);
-  return dict;
+  return raising_python_errors([]() -> PyObject* {
+    const auto t = torch_bn_grad::cpu_channel_runs_min_pass_bytes();
+    auto value = [](int64_t bytes) -> PyObject* {
+      if (bytes == std::numeric_limits<int64_t>::max()) Py_RETURN_NONE;
+      return PyLong_FromLongLong(static_cast<long long>(bytes));
+    };
+    PyObject* forward = value(t.forward_bytes);
+    PyObject* backward = value(t.backward_bytes);
+    PyObject* dict = Py_BuildValue("{sOsO}", "forward", forward, "backward", backward);
+    Py_XDECREF(forward);
+    Py_XDECREF(backward);
+    return dict;
+  });
 }
 
 // `output_cache_info()`: the CPU output cache's counters, as a dict.
 PyObject* output_cache_info(PyObject*, PyObject*) {
-  const auto s = torch_bn_grad::output_cache_stats();
-  return Py_BuildValue("{sLsLsLsLsL}", "limit_bytes", static_cast<long long>(s.limit_bytes), "idle_bytes",
-                       static_cast<long long>(s.idle_bytes), "idle_blocks", static_cast<long long>(s.idle_blocks),
-                       "hits", static_cast<long long>(s.hits), "misses", static_cast<long long>(s.misses));
+  return raising_python_errors([] {
+    const auto s = torch_bn_grad::output_cache_stats();
+    return Py_BuildValue("{sLsLsLsLsL}", "limit_bytes", static_cast<long long>(s.limit_bytes), "idle_bytes",
+                         static_cast<long long>(s.idle_bytes), "idle_blocks", static_cast<long long>(s.idle_blocks),
+                         "hits", static_cast<long long>(s.hits), "misses", static_cast<long long>(s.misses));
+  });
 }
 
 PyObject* set_output_cache_limit(PyObject*, PyObject* arg) {
@@ -45,13 +68,17 @@ PyObject* set_output_cache_limit(PyObject*, PyObject* arg) {
     PyErr_Format(PyExc_ValueError, "set_output_cache_limit: expected nbytes >= 0, got %lld", bytes);
     return nullptr;
   }
-  torch_bn_grad::set_output_cache_limit(bytes);
-  Py_RETURN_NONE;
+  return raising_python_errors([bytes]() -> PyObject* {
+    torch_bn_grad::set_output_cache_limit(bytes);
+    Py_RETURN_NONE;
+  });
 }
 
 PyObject* empty_output_cache(PyObject*, PyObject*) {
-  torch_bn_grad::empty_output_cache();
-  Py_RETURN_NONE;
+  return raising_python_errors([]() -> PyObject* {
+    torch_bn_grad::empty_output_cache();
+    Py_RETURN_NONE;
+  });
 }
 
 PyMethodDef methods[] = {
