@@ -29,11 +29,11 @@
 // finds that channel's data in its L2 cache. Short planes walk their second
 // pass in memory order, but a pass that the caches would not give back fast
 // (cpu/cache_geometry.cpp: past a CCD's L3, or under a server's mesh L3) runs
-// both passes on a run of adjacent channels at a time (for_each_channel_run). Otherwise
-// the second pass walks each thread's blocks in reverse, starting with the
-// ones it read last. An
-// elementwise pass with no reduction before it (frozen statistics, the
-// split-stage grad_input) walks the planes in memory order (affine_all).
+// both passes on a run of adjacent channels at a time (for_each_channel_run).
+// Otherwise the second pass walks each thread's blocks in reverse, starting
+// with the ones it read last. An elementwise pass with no reduction before it
+// (frozen statistics, the split-stage grad_input) walks the planes in memory
+// order (affine_all).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 

@@ -106,6 +106,17 @@ void affine_after_reduction(const Blocks& b, const T* x, const T* y, T* out, con
   for_each_block(b, e, true, [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); });
 }
 
+// A training operator in channel runs (partition.h, for_each_channel_run):
+// each run's blocks reduced, its channels finished a group at a time, then
+// its elementwise pass (x, y: the second input or null, out).
+template <typename T, typename E, typename Reduce, typename Finish>
+void in_channel_runs(const Blocks& b, const Extent& e, int64_t run, const Reduce& reduce, const Finish& finish,
+                     const T* x, const T* y, T* out, const math::AffineArrays<at::opmath_type<T>>& c, const E& ep) {
+  for_each_channel_run(
+      b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
+      [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, y, out, e, k0, k1, c, ep); });
+}
+
 // ---------------------------------------------------------------- operators
 // `r` (may be null) is a residual added before the epilogue's activation.
 template <typename T, typename E = PlainEpilogue<T>>
@@ -127,9 +138,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
   };
   auto normalize = [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); };
   if (const int64_t run = channel_run_channels(b, e, sizeof(T), RunPass::kForward)) {
-    for_each_channel_run(
-        b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-        [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, r, y, e, k0, k1, coefficients, ep); });
+    in_channel_runs<T>(b, e, run, reduce, finish, x, r, y, coefficients, ep);
     return;
   }
   if (per_channel_strategy(b, e, sizeof(T))) {
@@ -203,9 +212,7 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
   auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
   if (need_sums && dx) {
     if (const int64_t run = channel_run_channels(b, e, sizeof(T), RunPass::kBackward)) {
-      for_each_channel_run(
-          b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-          [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, dy, dx, e, k0, k1, coefficients, ep); });
+      in_channel_runs<T>(b, e, run, reduce, finish, x, dy, dx, coefficients, ep);
       return;
     }
     if (per_channel_strategy(b, e, sizeof(T))) {
