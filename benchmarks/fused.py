@@ -11,7 +11,11 @@ changes every round); it prints the medians and the ratios torch/fused and
 ours/fused (above 1: fused is faster).
 
     python benchmarks/fused.py [--full] [--dtype float32|bfloat16] [--layouts contiguous,channels_last]
-                               [--patterns residual,plain] [--rounds 7] [--iters 3] [--threads N] [--json FILE]
+                               [--patterns residual,plain] [--rounds 7] [--iters 3] [--threads N]
+                               [--device cpu|cuda] [--json FILE]
+
+On CUDA every timed step ends with a synchronize, so the times are the GPU's
+(plus the host's launch time where the host is the slower of the two).
 """
 
 from __future__ import annotations
@@ -34,16 +38,17 @@ FULL_SHAPES = [(32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 512
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def make_steps(shape: tuple, dtype: torch.dtype, layout: str, residual: bool) -> dict[str, Callable[[], object]]:
+def make_steps(shape: tuple, dtype: torch.dtype, layout: str, residual: bool,
+               device: str = "cpu") -> dict[str, Callable[[], object]]:
     """One forward + backward per call, for each variant (gradients of x, residual, weight, bias)."""
     g = torch.Generator().manual_seed(0)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    make = lambda: torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=fmt)  # noqa: E731
+    make = lambda: torch.randn(shape, generator=g).to(device, dtype).contiguous(memory_format=fmt)  # noqa: E731
     x, r, dy = make().requires_grad_(), make().requires_grad_(), make()
     c = shape[1]
-    w = (torch.rand(c, generator=g) + 0.5).requires_grad_()
-    b = torch.randn(c, generator=g).requires_grad_()
-    stats = {name: (torch.zeros(c), torch.ones(c)) for name in ("torch", "ours", "fused")}
+    w = (torch.rand(c, generator=g) + 0.5).to(device).requires_grad_()
+    b = torch.randn(c, generator=g).to(device).requires_grad_()
+    stats = {name: (torch.zeros(c, device=device), torch.ones(c, device=device)) for name in ("torch", "ours", "fused")}
     wrt = [x, w, b] + ([r] if residual else [])
 
     def separate(batch_norm: Callable, name: str) -> Callable[[], object]:
@@ -62,10 +67,12 @@ def make_steps(shape: tuple, dtype: torch.dtype, layout: str, residual: bool) ->
     return {"torch": separate(F.batch_norm, "torch"), "ours": separate(ours.batch_norm, "ours"), "fused": fused}
 
 
-def time_interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int) -> dict[str, float]:
+def time_interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters: int,
+                     sync: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Median milliseconds per step of each variant, rounds alternating the variants."""
     for step in steps.values():
         step()  # warm-up
+    sync()
     times: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps)
     for rnd in range(rounds):
@@ -73,6 +80,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], rounds: int, iters:
             for _ in range(iters):
                 start = time.perf_counter()
                 steps[name]()
+                sync()
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
@@ -86,11 +94,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernels {torch_bn_grad.cpu_kernel_isa()}, "
+    sync = torch.cuda.synchronize if args.device == "cuda" else lambda: None
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"{torch.get_num_threads()} threads, kernels {torch_bn_grad.cpu_kernel_isa()}")
+    print(f"torch {torch.__version__}, {where}, "
           f"{args.dtype}, training forward + backward, median of {args.rounds} rounds x {args.iters}")
     print(f"{'shape':>20} {'layout':>13} {'pattern':>8} {'torch ms':>9} {'ours ms':>8} {'fused ms':>9} "
           f"{'torch/fused':>11} {'ours/fused':>10}")
@@ -98,9 +110,10 @@ def main() -> None:
     for shape in FULL_SHAPES if args.full else QUICK_SHAPES:
         for layout in args.layouts.split(","):
             for pattern in args.patterns.split(","):
-                steps = make_steps(shape, DTYPES[args.dtype], layout, pattern == "residual")
-                ms = time_interleaved(steps, args.rounds, args.iters)
+                steps = make_steps(shape, DTYPES[args.dtype], layout, pattern == "residual", args.device)
+                ms = time_interleaved(steps, args.rounds, args.iters, sync)
                 row = {"shape": list(shape), "layout": layout, "pattern": pattern, "dtype": args.dtype,
+                       "device": args.device,
                        **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
                        "torch_over_fused": round(ms["torch"] / ms["fused"], 3),
                        "ours_over_fused": round(ms["ours"] / ms["fused"], 3)}
