@@ -69,8 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
         args.mean = mean_v.in;
         args.variance = var_v.in;
       }
-      forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      forward_coefficients(args);
 
       const math::AffineArrays<A> c{mean_k.const_data_ptr<A>(), nullptr, x_scale.const_data_ptr<A>(),
                                     bias.const_data_ptr<A>()};
@@ -147,8 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
         args.partials = partials.data;
         args.per_channel = partials.per_channel;
       }
-      backward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      backward_coefficients(args);
 
       if (need_diff_src) {
         const math::AffineArrays<A> coef{mean_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),

@@ -34,9 +34,10 @@ at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view d
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_local_stats_cuda", [&] {
     using A = Acc<scalar_t>;
     const Partials<Moments<double>> partials = moment_partials<scalar_t>(x, e);
-    stats_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
-        partials.data, partials.per_channel, e.channels, rows.mutable_data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_channel_groups(e.channels, partials.per_channel, [&](auto group, dim3 grid) {
+      stats_rows_kernel<A, decltype(group)::value><<<grid, kThreads, 0, stream()>>>(
+          partials.data, partials.per_channel, e.channels, rows.mutable_data_ptr<double>());
+    });
   });
   return rows;
 }
@@ -72,8 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
       args.variance_out = var_k.mutable_data_ptr<A>();
       args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
                      bias.mutable_data_ptr<A>()};
-      forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      forward_coefficients(args);
     });
   }
   const auto result = [&](const at::Tensor& v) { return from_kernel_channels(v, plan, acc, src); };
@@ -96,10 +96,11 @@ at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& di
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_sums_cuda", [&] {
     using A = Acc<scalar_t>;
     const Partials<GradSums<double>> partials = grad_sum_partials<scalar_t>(x, dy, centre, e);
-    grad_sums_rows_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(
-        partials.data, partials.per_channel, mean_d.const_data_ptr<double>(), centre.const_data_ptr<A>(),
-        e.channels, rows.mutable_data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_channel_groups(e.channels, partials.per_channel, [&](auto group, dim3 grid) {
+      grad_sums_rows_kernel<A, decltype(group)::value><<<grid, kThreads, 0, stream()>>>(
+          partials.data, partials.per_channel, mean_d.const_data_ptr<double>(), centre.const_data_ptr<A>(),
+          e.channels, rows.mutable_data_ptr<double>());
+    });
   });
   return rows;
 }

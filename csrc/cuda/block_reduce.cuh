@@ -77,37 +77,39 @@ __device__ __forceinline__ void column_reduce(S& s, S (&shared)[kThreads / 2]) {
   }
 }
 
-// One warp per channel (the second stage): the channel this thread's warp
-// serves, kThreads / kWarp channels a block.
+// The second stage merges each channel's partials with a group of kGroup
+// threads: a warp (kWarp; kThreads / kWarp channels a block) or, where a
+// channel has many partials, the whole block (kThreads): a columns partition
+// of few channels gives each thousands (64 channels of 64x112x112: 3136),
+// which one warp merged in ~9 us on an H200, longer than the data pass.
 constexpr int kChannelsPerBlock = kThreads / kWarp;
+constexpr int64_t kBlockMergeMinPartials = 8 * kWarp;
 
-__device__ __forceinline__ int64_t warp_channel() {
-  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+template <int kGroup>
+__device__ __forceinline__ int64_t group_channel() {
+  static_assert(kGroup == kWarp || kGroup == kThreads, "a channel's group is a warp or a block");
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kGroup;
 }
 
-// Lane l of a channel's warp merges partials l, l + 32, ... of that channel in
-// float64 (Chan's formula for moments), then the lanes are merged in a fixed
-// tree; the result is valid in lane 0.
-template <typename S>
-__device__ __forceinline__ Moments<double> merge_channel(const Moments<S>* partials, int64_t per_channel,
-                                                         int64_t k, int lane) {
-  Moments<double> m{0, 0, 0};
-  for (int64_t i = lane; i < per_channel; i += kWarp) {
-    const Moments<S> p = partials[k * per_channel + i];
-    m = math::merge(m, Moments<double>{p.count, p.mean, p.m2});
-  }
-  return warp_reduce(m);
+template <int kGroup>
+__device__ __forceinline__ int group_rank() {
+  return static_cast<int>(threadIdx.x) % kGroup;
 }
 
-template <typename S>
-__device__ __forceinline__ GradSums<double> merge_channel(const GradSums<S>* partials, int64_t per_channel,
-                                                          int64_t k, int lane) {
-  GradSums<double> s{0, 0};
-  for (int64_t i = lane; i < per_channel; i += kWarp) {
-    const GradSums<S> q = partials[k * per_channel + i];
-    s = math::merge(s, GradSums<double>{q.sum_dy, q.sum_dy_xc});
+// Thread `rank` of channel k's group merges partials rank, rank + kGroup, ...
+// in float64 (Chan's formula for moments), then the group's threads are merged
+// in a fixed tree; the result is valid in rank 0. Every thread of the group
+// must call it (the block's reduction synchronizes).
+template <int kGroup, typename S>
+__device__ __forceinline__ S merge_channel(const S* partials, int64_t per_channel, int64_t k,
+                                           S (&shared)[kThreads / kWarp]) {
+  S m{};
+  for (int64_t i = group_rank<kGroup>(); i < per_channel; i += kGroup) m = math::merge(m, partials[k * per_channel + i]);
+  if constexpr (kGroup == kWarp) {
+    return warp_reduce(m);
+  } else {
+    return block_reduce(m, shared);
   }
-  return warp_reduce(s);
 }
 
 }  // namespace torch_bn_grad::cuda

@@ -1,7 +1,8 @@
 // The second stage: per-channel values from the first stage's partials
 // (reduce_kernels.cuh), or from given statistics, in float64 with the formulas
-// of batch_norm_math.h (the CPU's), each rounded once. One warp per channel
-// merges its partials (merge_channel); lane 0 derives the coefficients. The
+// of batch_norm_math.h (the CPU's), each rounded once. A warp or a block per
+// channel merges its partials (merge_channel); its first thread derives the
+// coefficients. The
 // persistent kernels call the same store_*_coefficients functions.
 #pragma once
 
@@ -59,21 +60,22 @@ __device__ __forceinline__ void store_forward_coefficients(const ForwardCoeffici
   a.affine.store(k, math::channel_affine<A>(mean, math::forward_coefficients(variance, gamma, beta, a.epsilon)));
 }
 
-template <typename A>
+// kGroup threads a channel (block_reduce.cuh's merge_channel).
+template <typename A, int kGroup>
 __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardCoefficientArgs<A> a) {
-  const int64_t k = warp_channel();
-  if (k >= a.channels) return;  // whole warps: kThreads is a multiple of kWarp
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  __shared__ Moments<double> shared[kThreads / kWarp];
+  const int64_t k = group_channel<kGroup>();
+  if (k >= a.channels) return;  // whole groups: kThreads is a multiple of kWarp
   double mean, variance;
   if (a.partials != nullptr) {
-    const Moments<double> m = merge_channel(a.partials, a.per_channel, k, lane);
+    const Moments<double> m = merge_channel<kGroup>(a.partials, a.per_channel, k, shared);
     mean = m.mean;
     variance = math::variance_of(m);
   } else {
     mean = a.mean.at(k, 0.0);
     variance = a.variance.at(k, 0.0);
   }
-  if (lane == 0) store_forward_coefficients(a, k, mean, variance);
+  if (group_rank<kGroup>() == 0) store_forward_coefficients(a, k, mean, variance);
 }
 
 template <typename A>
@@ -121,14 +123,14 @@ __device__ __forceinline__ void store_backward_coefficients(const BackwardCoeffi
   if (p.diff_beta.wanted()) p.diff_beta.set(k, grads.diff_beta);
 }
 
-template <typename A>
+template <typename A, int kGroup>
 __global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(BackwardCoefficientArgs<A> p) {
-  const int64_t k = warp_channel();
-  if (k >= p.channels) return;  // whole warps
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  __shared__ GradSums<double> shared[kThreads / kWarp];
+  const int64_t k = group_channel<kGroup>();
+  if (k >= p.channels) return;  // whole groups
   GradSums<double> sums{0, 0};
-  if (p.partials != nullptr) sums = merge_channel(p.partials, p.per_channel, k, lane);
-  if (lane == 0) store_backward_coefficients(p, k, sums);
+  if (p.partials != nullptr) sums = merge_channel<kGroup>(p.partials, p.per_channel, k, shared);
+  if (group_rank<kGroup>() == 0) store_backward_coefficients(p, k, sums);
 }
 
 // ------------------------------------------------------------------ split stages
@@ -137,14 +139,14 @@ __global__ void __launch_bounds__(kThreads) backward_coefficients_kernel(Backwar
 // order is the logical one.
 
 // rows (3, channels): count, mean and m2 of each channel, from its partials.
-template <typename A>
+template <typename A, int kGroup>
 __global__ void __launch_bounds__(kThreads)
     stats_rows_kernel(const Moments<double>* partials, int64_t per_channel, int64_t channels, double* rows) {
-  const int64_t k = warp_channel();
-  if (k >= channels) return;  // whole warps
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const Moments<double> m = merge_channel(partials, per_channel, k, lane);
-  if (lane != 0) return;
+  __shared__ Moments<double> shared[kThreads / kWarp];
+  const int64_t k = group_channel<kGroup>();
+  if (k >= channels) return;  // whole groups
+  const Moments<double> m = merge_channel<kGroup>(partials, per_channel, k, shared);
+  if (group_rank<kGroup>() != 0) return;
   rows[k] = static_cast<double>(m.count);
   rows[channels + k] = m.mean;
   rows[2 * channels + k] = m.m2;
@@ -153,15 +155,15 @@ __global__ void __launch_bounds__(kThreads)
 // rows (2, channels): sum(dy) and sum(dy * (x - mean)) of each channel, taken
 // about `centre` (the given float64 `mean` rounded to A) and re-centred on
 // `mean`.
-template <typename A>
+template <typename A, int kGroup>
 __global__ void __launch_bounds__(kThreads)
     grad_sums_rows_kernel(const GradSums<double>* partials, int64_t per_channel, const double* mean, const A* centre,
                           int64_t channels, double* rows) {
-  const int64_t k = warp_channel();
-  if (k >= channels) return;  // whole warps
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const GradSums<double> merged = merge_channel(partials, per_channel, k, lane);
-  if (lane != 0) return;
+  __shared__ GradSums<double> shared[kThreads / kWarp];
+  const int64_t k = group_channel<kGroup>();
+  if (k >= channels) return;  // whole groups
+  const GradSums<double> merged = merge_channel<kGroup>(partials, per_channel, k, shared);
+  if (group_rank<kGroup>() != 0) return;
   const GradSums<double> s = math::recentre(merged, mean[k], static_cast<double>(centre[k]));
   rows[k] = s.sum_dy;
   rows[channels + k] = s.sum_dy_xc;

@@ -46,9 +46,19 @@ void launch_partitioned(const Extent& e, std::initializer_list<const void*> poin
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The persistent counterpart: calls plane(launch, n) or columns(launch, n)
-// and returns true when the shape qualifies (plan_persistent_*), else false
-// with nothing launched.
+// Calls on(launch, n, r) with the vector width n and the slots per thread r
+// (persistent_slots) as std::integral_constants.
+template <typename T, typename G, typename F>
+void with_persistent_kernel(const PersistentLaunch<G>& l, int width, const F& on) {
+  with_vector_width<T>(width, [&](auto n) {
+    constexpr int kMax = kPersistentItems<T> / decltype(n)::value;
+    with_persistent_slots<kMax>(persistent_slots<kMax>(l.slots_needed), [&](auto r) { on(l, n, r); });
+  });
+}
+
+// The persistent counterpart: calls plane(launch, n, r) or columns(launch, n,
+// r) and returns true when the shape qualifies (plan_persistent_*), else
+// false with nothing launched.
 template <typename T, typename OnPlane, typename OnColumns>
 bool launch_persistent(const Extent& e, std::initializer_list<const void*> pointers, const OnPlane& plane,
                        const OnColumns& columns) {
@@ -56,12 +66,12 @@ bool launch_persistent(const Extent& e, std::initializer_list<const void*> point
     const int width = vector_width<T>(e.inner, pointers);
     const auto l = plan_persistent_plane<T>(e, width);
     if (!l) return false;
-    with_vector_width<T>(width, [&](auto n) { plane(*l, n); });
+    with_persistent_kernel<T>(*l, width, plane);
   } else {
     const int width = vector_width<T>(e.channels * e.inner, pointers);
     const auto l = plan_persistent_columns<T>(e, width);
     if (!l) return false;
-    with_vector_width<T>(width, [&](auto n) { columns(*l, n); });
+    with_persistent_kernel<T>(*l, width, columns);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
@@ -151,11 +161,13 @@ bool persistent_forward(const at::Tensor& x, const at::Tensor& out, const Extent
   T* op = out.mutable_data_ptr<T>();
   return launch_persistent<T>(
       e, {xp, op},
-      [&](const PersistentLaunch<PersistentPlane>& l, auto n) {
-        plane_persistent_forward_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+      [&](const PersistentLaunch<PersistentPlane>& l, auto n, auto r) {
+        plane_persistent_forward_kernel<T, decltype(n)::value, decltype(r)::value>
+            <<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
       },
-      [&](const PersistentLaunch<PersistentColumns>& l, auto n) {
-        column_persistent_forward_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+      [&](const PersistentLaunch<PersistentColumns>& l, auto n, auto r) {
+        column_persistent_forward_kernel<T, decltype(n)::value, decltype(r)::value>
+            <<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
       });
 }
 
@@ -170,12 +182,12 @@ bool persistent_backward(const at::Tensor& x, const at::Tensor& dy, const at::Te
   const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
   return launch_persistent<T>(
       e, {xp, dp, out},
-      [&](const PersistentLaunch<PersistentPlane>& l, auto n) {
-        plane_persistent_backward_kernel<T, decltype(n)::value>
+      [&](const PersistentLaunch<PersistentPlane>& l, auto n, auto r) {
+        plane_persistent_backward_kernel<T, decltype(n)::value, decltype(r)::value>
             <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
       },
-      [&](const PersistentLaunch<PersistentColumns>& l, auto n) {
-        column_persistent_backward_kernel<T, decltype(n)::value>
+      [&](const PersistentLaunch<PersistentColumns>& l, auto n, auto r) {
+        column_persistent_backward_kernel<T, decltype(n)::value, decltype(r)::value>
             <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
       });
 }
@@ -184,6 +196,36 @@ inline dim3 channel_warps_grid(int64_t channels) {
   const int64_t blocks = ceil_div(channels, kChannelsPerBlock);
   TORCH_CHECK(blocks <= kMaxGridX, "batch_norm (CUDA): too many channels (", channels, ")");
   return dim3(static_cast<unsigned>(blocks));
+}
+
+// Calls launch(group, grid) for a kernel that merges each channel's
+// `per_channel` partials with a group of threads (block_reduce.cuh's
+// merge_channel): group is std::integral_constant<int, kWarp> (a warp a
+// channel), or <int, kThreads> (a block a channel) from kBlockMergeMinPartials.
+template <typename F>
+void launch_channel_groups(int64_t channels, int64_t per_channel, const F& launch) {
+  if (per_channel >= kBlockMergeMinPartials) {
+    TORCH_CHECK(channels <= kMaxGridX, "batch_norm (CUDA): too many channels (", channels, ")");
+    launch(std::integral_constant<int, kThreads>{}, dim3(static_cast<unsigned>(channels)));
+  } else {
+    launch(std::integral_constant<int, kWarp>{}, channel_warps_grid(channels));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The coefficient kernels (coefficient_kernels.cuh) on the current stream.
+template <typename A>
+void forward_coefficients(const ForwardCoefficientArgs<A>& args) {
+  launch_channel_groups(args.channels, args.partials != nullptr ? args.per_channel : 0, [&](auto group, dim3 grid) {
+    forward_coefficients_kernel<A, decltype(group)::value><<<grid, kThreads, 0, stream()>>>(args);
+  });
+}
+
+template <typename A>
+void backward_coefficients(const BackwardCoefficientArgs<A>& args) {
+  launch_channel_groups(args.channels, args.partials != nullptr ? args.per_channel : 0, [&](auto group, dim3 grid) {
+    backward_coefficients_kernel<A, decltype(group)::value><<<grid, kThreads, 0, stream()>>>(args);
+  });
 }
 
 inline const double* optional_data(const at::Tensor& t) {

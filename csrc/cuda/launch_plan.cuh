@@ -135,11 +135,42 @@ constexpr int kPersistentItems = 128 / static_cast<int>(sizeof(at::opmath_type<T
 // Narrowest row segment of a columns tile: one 32-byte sector, read whole.
 constexpr int64_t kSectorBytes = 32;
 
+// The registers a thread reserves follow its slots, used or not: the backward
+// kernel at full size takes ~124 registers, two blocks per SM, so a layer of
+// 512 channels of 32x7x7 ran in two waves of latency-bound blocks (15 us on
+// an H200, cuDNN 7 us). Shapes that fill fewer slots get a kernel compiled
+// with a quarter or half of them, which fits 4-6 blocks per SM.
+template <int Max>
+constexpr int kPersistentSlotLevels[3] = {Max / 4 > 0 ? Max / 4 : 1, Max / 2 > 0 ? Max / 2 : 1, Max};
+
+// The fewest slots of the levels that hold `needed` vectors per thread.
+template <int Max>
+int persistent_slots(int64_t needed) {
+  for (int level : kPersistentSlotLevels<Max>) {
+    if (needed <= level) return level;
+  }
+  return Max;
+}
+
+// Calls f(std::integral_constant<int, R>) for R = `slots`, one of the levels.
+template <int Max, typename F>
+void with_persistent_slots(int slots, const F& f) {
+  constexpr int a = kPersistentSlotLevels<Max>[0], b = kPersistentSlotLevels<Max>[1];
+  if (slots == a) {
+    f(std::integral_constant<int, a>{});
+  } else if (slots == b) {
+    f(std::integral_constant<int, b>{});
+  } else {
+    f(std::integral_constant<int, Max>{});
+  }
+}
+
 template <typename G>
 struct PersistentLaunch {
   G g;
   dim3 grid;
   dim3 block;
+  int64_t slots_needed;  // vectors per thread of each tensor
 };
 
 // Planes: when the channel's outer * inner elements fit in one block.
@@ -149,7 +180,8 @@ std::optional<PersistentLaunch<PersistentPlane>> plan_persistent_plane(const Ext
   TORCH_CHECK(e.channels <= kMaxGridX, "batch_norm (CUDA): too many channels (", e.channels, ")");
   const PersistentPlane h{e.channels, static_cast<unsigned>(e.inner / width),
                           static_cast<unsigned>(e.outer * e.inner / width)};
-  return PersistentLaunch<PersistentPlane>{h, dim3(static_cast<unsigned>(e.channels)), dim3(kThreads)};
+  return PersistentLaunch<PersistentPlane>{h, dim3(static_cast<unsigned>(e.channels)), dim3(kThreads),
+                                           ceil_div(h.vectors, kThreads)};
 }
 
 // Columns: when inner == 1 and all rows fit in a tile whose rows are a sector
@@ -167,7 +199,8 @@ std::optional<PersistentLaunch<PersistentColumns>> plan_persistent_columns(const
   const PersistentColumns h{e.outer, e.channels / width};
   const int64_t tiles = ceil_div(h.columns, bx);
   TORCH_CHECK(tiles <= kMaxGridX, "batch_norm (CUDA): too many channels (", e.channels, ")");
-  return PersistentLaunch<PersistentColumns>{h, dim3(static_cast<unsigned>(tiles)), dim3(bx, by)};
+  return PersistentLaunch<PersistentColumns>{h, dim3(static_cast<unsigned>(tiles)), dim3(bx, by),
+                                             ceil_div(e.outer, by)};
 }
 
 }  // namespace torch_bn_grad::cuda

@@ -6,7 +6,8 @@
 // the global per-channel vectors, and the block reads them back after a
 // __syncthreads(), which makes the writes visible to all of its threads.
 // Each thread issues all of its loads before any arithmetic, so that they are
-// in flight together.
+// in flight together. R: a thread's slots per tensor, at most
+// kPersistentItems<T> / N (launch_plan.cuh picks the level).
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -24,12 +25,11 @@
 
 namespace torch_bn_grad::cuda {
 
-template <typename T, int N>
+template <typename T, int N, int R>
 __global__ void __launch_bounds__(kThreads)
     plane_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentPlane h,
                                     ForwardCoefficientArgs<at::opmath_type<T>> a) {
   using A = at::opmath_type<T>;
-  constexpr int R = kPersistentItems<T> / N;
   __shared__ ShiftedSums<A> shared[kThreads / kWarp];
   const int64_t k = blockIdx.x;
   A xs[R][N], centre[N];
@@ -52,12 +52,11 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-template <typename T, int N>
+template <typename T, int N, int R>
 __global__ void __launch_bounds__(kThreads)
     column_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentColumns h,
                                      ForwardCoefficientArgs<at::opmath_type<T>> a) {
   using A = at::opmath_type<T>;
-  constexpr int R = kPersistentItems<T> / N;
   __shared__ LaneMoments<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
   const bool owner = column < h.columns;
@@ -91,13 +90,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // `out` is null when only the parameters' gradients are wanted.
-template <typename T, int N>
+template <typename T, int N, int R>
 __global__ void __launch_bounds__(kThreads)
     plane_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                      const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
                                      PersistentPlane h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
   using A = at::opmath_type<T>;
-  constexpr int R = kPersistentItems<T> / N;
   __shared__ ExactGradSums<A> shared[kThreads / kWarp];
   const int64_t k = blockIdx.x;
   A m[N];
@@ -123,13 +121,12 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-template <typename T, int N>
+template <typename T, int N, int R>
 __global__ void __launch_bounds__(kThreads)
     column_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                       const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
                                       PersistentColumns h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
   using A = at::opmath_type<T>;
-  constexpr int R = kPersistentItems<T> / N;
   __shared__ LaneGradSums<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
   const bool owner = column < h.columns;
