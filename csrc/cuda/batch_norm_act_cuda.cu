@@ -39,19 +39,17 @@ const T* data_or_null(const at::Tensor& t) {
 
 // The forward's coefficients (mean, x_scale, bias) of given statistics.
 template <typename A>
-void frozen_forward_coefficients(const at::Tensor& mean_d, const at::Tensor& var_d, const at::Tensor& gamma_d,
-                                 const at::Tensor& beta_d, double epsilon, int64_t channels,
-                                 const math::AffineArrays<A>& out) {
+void frozen_forward_coefficients(ChannelIn mean, ChannelIn variance, ChannelIn gamma, ChannelIn beta,
+                                 double epsilon, int64_t channels, const math::AffineArrays<A>& out) {
   ForwardCoefficientArgs<A> args{};
-  args.mean = channel_in(mean_d);
-  args.variance = channel_in(var_d);
-  args.gamma = channel_in(gamma_d);
-  args.beta = channel_in(beta_d);
+  args.mean = mean;
+  args.variance = variance;
+  args.gamma = gamma;
+  args.beta = beta;
   args.epsilon = epsilon;
   args.channels = channels;
   args.affine = {const_cast<A*>(out.mean), nullptr, const_cast<A*>(out.x_scale), const_cast<A*>(out.bias)};
-  forward_coefficients_kernel<A><<<channel_warps_grid(channels), kThreads, 0, stream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  forward_coefficients(args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cuda(
@@ -97,8 +95,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cuda(
         args.mean = mean_v.in;
         args.variance = var_v.in;
       }
-      forward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      forward_coefficients(args);
       const math::AffineArrays<A> c{mean_k.const_data_ptr<A>(), nullptr, x_scale.const_data_ptr<A>(),
                                     bias.const_data_ptr<A>()};
       act::dispatch_activation(checked.kind, [&](auto activation_type) {
@@ -140,26 +137,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   KernelOutput dx, dz;
   if (output_mask[0] || output_mask[3]) dx = make_kernel_output(data, plan);
   if (output_mask[3]) dz = make_kernel_output(data, plan);
-  at::Tensor dg = output_mask[1] ? channel_vector(plan, data, at::kDouble) : at::Tensor();
-  at::Tensor db = output_mask[2] ? channel_vector(plan, data, at::kDouble) : at::Tensor();
+  // The parameter gradients in the statistics' dtype, written by the kernel
+  // where it can (channel_values.cuh): a small layer's call is mostly host time.
+  const auto stats_dtype = mean.scalar_type();
+  const ChannelResult dg = output_mask[1] ? channel_result(plan, stats_dtype, data) : ChannelResult{};
+  const ChannelResult db = output_mask[2] ? channel_result(plan, stats_dtype, data) : ChannelResult{};
 
   if (e.channels > 0 && (need_pass || output_mask[1] || output_mask[2])) {
     const at::Tensor x = to_kernel_layout(data, plan);
     const at::Tensor y = from_output ? at::Tensor() : layout_or_undefined(dst, plan);
     const at::Tensor r = layout_or_undefined(residual, plan);
     const at::Tensor dy = to_kernel_layout(diff_dst, plan);
-    const at::Tensor mean_d = to_kernel_channels(mean, plan, at::kDouble, 0, data);
-    const at::Tensor var_d = to_kernel_channels(variance, plan, at::kDouble, 0, data);
-    const at::Tensor gamma_d = optional_channels(gamma, plan, data);
-    const at::Tensor beta_d = optional_channels(beta, plan, data);
+    const ChannelValues var_v = channel_values(variance, plan, data);
+    const ChannelValues gamma_v = channel_values(gamma, plan, data);
     // The kernel centres x on the mean, or (from_output) u on beta, with
     // unit = gamma * rstd (coefficient_kernels.cuh).
     const at::Tensor centre_k = to_kernel_channels(from_output ? beta : OptionalTensor(mean), plan, acc, 0, data);
     at::Tensor unit;
     if (from_output) {
-      unit = at::rsqrt(at::add(var_d, epsilon));
-      if (gamma_d.defined()) unit = at::mul(unit, gamma_d);
+      unit = at::rsqrt(at::add(to_kernel_channels(variance, plan, at::kDouble, 0, data), epsilon));
+      if (gamma.has_value()) unit = at::mul(unit, optional_channels(gamma, plan, data));
     }
+    // silu's gate needs the forward's coefficients.
+    ChannelValues mean_v, beta_v;
     at::Tensor dy_scale, x_scale, bias, fwd_mean, fwd_scale, fwd_bias;
     if (need_pass) {
       dy_scale = channel_vector(plan, data, acc);
@@ -167,6 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
       bias = channel_vector(plan, data, acc);
     }
     if (checked.kind == act::Kind::silu) {
+      mean_v = channel_values(mean, plan, data);
+      beta_v = channel_values(beta, plan, data);
       fwd_mean = channel_vector(plan, data, acc);
       fwd_scale = channel_vector(plan, data, acc);
       fwd_bias = channel_vector(plan, data, acc);
@@ -175,8 +177,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
       using A = Acc<scalar_t>;
       BackwardCoefficientArgs<A> args{};
       args.mean = centre_k.const_data_ptr<A>();
-      args.variance = channel_in(var_d);
-      args.gamma = channel_in(gamma_d);
+      args.variance = var_v.in;
+      args.gamma = gamma_v.in;
       args.unit = optional_data(unit);
       args.epsilon = epsilon;
       args.channels = e.channels;
@@ -186,8 +188,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
         args.affine = {nullptr, dy_scale.mutable_data_ptr<A>(), x_scale.mutable_data_ptr<A>(),
                        bias.mutable_data_ptr<A>()};
       }
-      args.diff_gamma = channel_out(dg);
-      args.diff_beta = channel_out(db);
+      args.diff_gamma = dg.out;
+      args.diff_beta = db.out;
       scalar_t* dz_out = output_mask[3] ? dz.buffer.mutable_data_ptr<scalar_t>() : nullptr;
       const A slope = static_cast<A>(negative_slope);
 
@@ -198,8 +200,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
           args.partials = partials.data;
           args.per_channel = partials.per_channel;
         }
-        backward_coefficients_kernel<A><<<channel_warps_grid(e.channels), kThreads, 0, stream()>>>(args);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        backward_coefficients(args);
         if (need_pass) {
           const math::AffineArrays<A> coef{centre_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),
                                            x_scale.const_data_ptr<A>(), bias.const_data_ptr<A>()};
@@ -227,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
         } else {
           const math::AffineArrays<A> forward{fwd_mean.const_data_ptr<A>(), nullptr, fwd_scale.const_data_ptr<A>(),
                                               fwd_bias.const_data_ptr<A>()};
-          frozen_forward_coefficients<A>(mean_d, var_d, gamma_d, beta_d, epsilon, e.channels, forward);
+          frozen_forward_coefficients<A>(mean_v.in, var_v.in, gamma_v.in, beta_v.in, epsilon, e.channels, forward);
           InputGateEpilogue<scalar_t, Act> ep{};
           ep.dz = dz_out;
           ep.forward = forward;
@@ -240,8 +241,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     if (need_pass && output_mask[0]) finish_kernel_output(dx, plan);
     if (need_pass && output_mask[3]) finish_kernel_output(dz, plan);
   }
-  const auto param_grad = [&](bool wanted, const at::Tensor& sums) {
-    return wanted ? from_kernel_channels(sums, plan, mean.scalar_type(), data) : at::Tensor();
+  const auto param_grad = [&](bool wanted, const ChannelResult& grad) {
+    return wanted ? grad.finish(plan, stats_dtype, data) : at::Tensor();
   };
   return act_backward_outputs(output_mask, dx.result, param_grad(output_mask[1], dg), param_grad(output_mask[2], db),
                               dz.result, data, mean);
