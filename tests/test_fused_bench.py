@@ -1,6 +1,7 @@
 """Smoke tests of the fused benchmarks, tiny sizes: ``benchmarks/fused.py`` (its
-three variants compute the same gradients) and ``--model ... --fuse``; and the
-LeakyReLU ResNet that ``examples/peak_memory.py`` fuses with memory_saving."""
+three variants compute the same gradients) and ``--model ... --fuse``; the
+LeakyReLU ResNet that ``examples/peak_memory.py`` fuses with memory_saving; and
+``benchmarks/profile_model.py``'s three tables."""
 
 from __future__ import annotations
 
@@ -54,3 +55,18 @@ def test_leaky_resnet_fuses_with_memory_saving():
     assert len(modules) == 17 and all(m.activation == "leaky_relu" and m.memory_saving for m in modules)
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     torch.testing.assert_close(fused.eval()(x), model.eval()(x))
+
+
+def test_profile_model_tables_the_three_models():
+    """``benchmarks/profile_model.py`` profiles native, ours and fused, one table each."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_model.py"), "--device", "cpu", "--model", "resnet18",
+         "--batch-size", "2", "--resolution", "32", "--steps", "1", "--rows", "3"],
+        capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    ).stdout
+    headers = [line.split(":")[0] for line in out.splitlines() if line.startswith("=====")]
+    assert headers == ["===== native", "===== ours", "===== fused"]
+    assert out.count("Self CPU time total") == 3

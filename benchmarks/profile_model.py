@@ -1,0 +1,72 @@
+"""Where a ResNet training step spends device time: torch.profiler's kernel
+table (self time, top rows) for the native model, ours (``convert_batchnorm``)
+and fused (``convert_batchnorm(fuse=True)``), one after the other in one process.
+
+    python benchmarks/profile_model.py [--model resnet50] [--device cuda] [--layout channels_last]
+                                       [--batch-size 64] [--resolution 224] [--steps 3] [--rows 30]
+
+The "Self CUDA time total" (or CPU total on the CPU) line of each table is the
+sum over ``--steps`` steps; the wall time of a step is the model benchmark's
+(``python -m torch_bn_grad.bench --model ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import torch_bn_grad
+
+if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import resnets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(resnets.MODELS), default="resnet50")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layout", choices=("contiguous", "channels_last"), default="channels_last")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--resolution", type=int, default=224)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=30)
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
+    torch.manual_seed(0)
+    native = resnets.MODELS[args.model](1000).to(args.device, memory_format=fmt)
+    models = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native)),
+              "fused": torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)}
+    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution).to(args.device, memory_format=fmt)
+    target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    for name, model in models.items():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), target).backward()
+            optimizer.step()
+
+        for _ in range(args.steps):
+            step()  # warm-up: allocator, cuDNN's algorithm choice
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                step()
+            sync()
+        print(f"===== {name}: {args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
+              f"{args.steps} training steps on {args.device}")
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=110))
+
+
+if __name__ == "__main__":
+    main()
