@@ -134,6 +134,28 @@ def test_empty_batch_leaves_running_stats():
     assert torch.equal(m.running_mean, before[0]) and torch.equal(m.running_var, before[1])
 
 
+@pytest.mark.parametrize("cls", [bn_nn.BatchNorm2d, bn_nn.BatchNormAct2d, bn_nn.SyncBatchNorm])
+def test_reassigned_parameters_and_buffers_are_used(cls):
+    """The modules read weight, bias and the running buffers from nn.Module's
+    dicts: what assignment puts there is what the next forward uses, as in torch's."""
+    torch.manual_seed(0)
+    ours, ref = cls(3).eval(), torch.nn.BatchNorm2d(3).eval()
+    x = torch.randn(4, 3, 5, 5)
+    for m in (ours, ref):
+        m.weight = torch.nn.Parameter(torch.tensor([2.0, 0.5, 1.5]))
+        m.bias = torch.nn.Parameter(torch.tensor([0.1, -0.2, 0.3]))
+        m.running_mean = torch.tensor([0.5, -0.5, 0.0])
+        m.running_var = torch.tensor([2.0, 0.5, 1.0])
+    want = ref(x)
+    if cls is bn_nn.BatchNormAct2d:
+        want = want.relu()
+    torch.testing.assert_close(ours(x), want)
+    ours.train()
+    ours.running_mean = torch.zeros(3)
+    ours(x)
+    torch.testing.assert_close(ours.running_mean, 0.1 * x.mean((0, 2, 3)))  # the new buffer was updated
+
+
 def test_state_dict_loads_both_ways():
     ref = torch.nn.BatchNorm2d(5)
     ref(torch.randn(4, 5, 3, 3))
