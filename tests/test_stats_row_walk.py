@@ -1,5 +1,5 @@
 """The statistics' first pass walked row by row (``stats_walk_rows`` in
-``csrc/cpu/kernels/row_reductions.h``): half-precision rows of channels
+``csrc/cpu/kernels/row_statistics.h``): half-precision rows of channels
 (channels_last, 2-D inputs) of 512 bytes or more in tensors of 12 MB or more
 are read one whole row after another, the run's sums in L1, instead of a line
 of each of 8 rows at a time; the sums meet in the same order. Each case takes

@@ -7,7 +7,7 @@
 // per-channel coefficients in float64 (batch_norm_math.h) and runs one
 // elementwise pass. The work is cut into blocks (partition.h) run by the plane
 // kernels (inner > 1, plane_kernels.h) or the row kernels (inner == 1,
-// row_reductions.h and row_affine.h).
+// row_statistics.h, row_grad_sums.h and row_affine.h).
 //
 // Numerics:
 // * Sums are exact (compensated, exact_sum.h), per-block partials are merged

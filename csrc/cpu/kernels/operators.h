@@ -17,7 +17,8 @@
 #include "cpu/kernels/partition.h"
 #include "cpu/kernels/plane_kernels.h"
 #include "cpu/kernels/row_affine.h"
-#include "cpu/kernels/row_reductions.h"
+#include "cpu/kernels/row_grad_sums.h"
+#include "cpu/kernels/row_statistics.h"
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
@@ -45,14 +46,14 @@ Reduction reduction_for(const Blocks& b, const Extent& e) {
 template <typename T>
 void stats_block(const Reduction& r, const T* x, const Block& blk, Partials<Moments>& out) {
   if (r.blocks.planes) PlaneKernels<T>::stats(x, r.extent, blk, out);
-  else RowReductions<T>::stats(x, r.extent, blk, out, r.blocks.span);
+  else RowStatistics<T>::stats(x, r.extent, blk, out, r.blocks.span);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
 void grad_sums_block(const Reduction& r, const T* x, const T* dy, const Block& blk, const at::opmath_type<T>* mean,
                      Partials<GradSums>& out, const E& ep = E{}) {
   if (r.blocks.planes) PlaneKernels<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep);
-  else RowReductions<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep, r.blocks.span);
+  else RowGradSums<T>::grad_sums(x, dy, r.extent, blk, mean, out, ep, r.blocks.span);
 }
 
 // Runs f on every block of reduction `r` in parallel (for_each_block).

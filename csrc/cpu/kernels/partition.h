@@ -9,8 +9,8 @@
 //
 // With inner > 1 ("planes", plane_kernels.h) a block is one channel over a
 // range of outer rows and a range of inner positions; with inner == 1
-// ("rows", row_reductions.h and row_affine.h) a block is a range of rows
-// over a range of channels.
+// ("rows": row_statistics.h, row_grad_sums.h and row_affine.h) a block is a
+// range of rows over a range of channels.
 #pragma once
 
 #include <ATen/Parallel.h>

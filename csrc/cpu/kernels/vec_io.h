@@ -46,7 +46,7 @@ inline void prefetch_lines(const T* p, int64_t n) {
 
 // How far ahead the reductions that read memory as it comes (the
 // statistics' first pass, the grad sums) request their data: on this VM the
-// hardware prefetchers left those loads waiting (row_reductions.h and
+// hardware prefetchers left those loads waiting (row_walk.h and
 // plane_kernels.h say where the requests go and what they gained).
 constexpr int64_t kPrefetchAheadBytes = 8192;
 

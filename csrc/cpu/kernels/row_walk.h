@@ -1,0 +1,159 @@
+// What the row kernels' reductions (row_statistics.h, row_grad_sums.h)
+// share, when channels are innermost (inner == 1, partition.h) or over the
+// segment rows of short planes: vector lanes across channels, each channel's
+// compensated sums (exact_sum.h) kept in L1, and the two walks of a block
+// (chunk by chunk over runs of kRowRun rows, or row by row).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/kernels/exact_sum.h"
+#include "cpu/kernels/partition.h"
+#include "cpu/kernels/vec_io.h"
+
+// The names of RowWalk<T> that a reduction deriving from it uses, declared
+// in its scope (a dependent base's names are not found unqualified).
+#define TORCH_BN_GRAD_ROW_WALK_NAMES(T)    \
+  using Walk = RowWalk<T>;                 \
+  using typename Walk::acc_t;              \
+  using typename Walk::ColumnSums;         \
+  using typename Walk::IO;                 \
+  using typename Walk::Vec;                \
+  using Walk::K;                           \
+  using Walk::kGroup;                      \
+  using Walk::kRowAhead;                   \
+  using Walk::P;                           \
+  using Walk::W;                           \
+  using Walk::for_chunk_groups;            \
+  using Walk::for_rows_of_runs;            \
+  using Walk::segment_total;               \
+  using Walk::whole_wide_rows
+
+namespace torch_bn_grad::cpu {
+namespace CPU_CAPABILITY {
+namespace {  // internal linkage: see vec_io.h
+
+template <typename T>
+struct RowWalk {
+  using IO = Io<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
+  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+
+  // Compensated per-channel accumulators of a block, in L1.
+  struct ColumnSums {
+    alignas(64) acc_t sum[kColumnBlock];
+    alignas(64) acc_t err[kColumnBlock];
+    explicit ColumnSums(int64_t n) {
+      std::fill(sum, sum + n, acc_t(0));
+      std::fill(err, err + n, acc_t(0));
+    }
+    void add(int64_t j, const Vec& v) {
+      Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
+      add_exact(s, r, v);
+      s.store(sum + j);
+      r.store(err + j);
+    }
+    void add_nonnegative(int64_t j, const Vec& v) {
+      Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
+      add_exact_nonnegative(s, r, v);
+      s.store(sum + j);
+      r.store(err + j);
+    }
+    void add(int64_t j, acc_t v) { add_exact(sum[j], err[j], v); }
+    double value(int64_t j) const { return static_cast<double>(sum[j]) + static_cast<double>(err[j]); }
+  };
+
+  // Chunks of one vector (float32, float64) are walked kGroup at a time, so
+  // that each row's loads feed kGroup independent accumulator chains instead
+  // of one: float32 statistics 1.1x-1.35x faster on 64-256 channels
+  // (channels_last, A/B in one process), the grad sums of 64 channels 1.5x.
+  // The grad sums of rows wider than one group, which then read lines of 8
+  // rows of two tensors at once, and half-precision chunks (two vectors
+  // already) gained nothing, so they keep one chunk at a time.
+  // The two or three chunks left after the full groups (rows of 32 or 48
+  // float32 channels under AVX512) make one last group: one chunk at a
+  // time, a run was read every other line, twice, one chain a walk. Time
+  // taken (1 thread, old and new builds in alternating processes, 10
+  // rounds, bitwise equal): channels_last 64x48x24x24 grad sums 0.73x,
+  // forward 0.88x; 64x32x24x24 0.94x and 0.96x; on 2 threads within the
+  // VM's noise.
+  static constexpr int kGroup = P == 1 ? 4 : 1;
+  template <typename F>
+  static void for_chunk_groups(int64_t vec_end, bool groups, const F& f) {
+    int64_t j = 0;
+    if (groups) {
+      for (; j + kGroup * K <= vec_end; j += kGroup * K) f(j, std::integral_constant<int, kGroup>{});
+      if constexpr (kGroup == 4) {
+        const int64_t left = (vec_end - j) / K;
+        if (left == 3) f(j, std::integral_constant<int, 3>{});
+        if (left == 2) f(j, std::integral_constant<int, 2>{});
+        if (left >= 2) j = vec_end;
+      }
+    }
+    for (; j < vec_end; j += K) f(j, std::integral_constant<int, 1>{});
+  }
+
+  // The reductions that read memory as it comes (pass 1 of the statistics,
+  // the grad sums) request their lines ahead of the loads: on this VM the
+  // hardware prefetchers left those loads waiting (a profile of the grad
+  // sums of 32x1024x14x14 channels_last float16 had a third of its samples
+  // on the instructions after two loads). Walking rows, each chunk asks for
+  // the line kPrefetchAheadBytes (vec_io.h) on in each stream; walking chunks of kRowRun
+  // rows, each chunk group asks for the same columns of the next run's rows.
+  // Measured here (2 threads, old and new builds in alternating processes):
+  // backward 0.55x-0.67x the time on channels_last half precision of
+  // 256-1024 channels and 4096x1024 float16, 0.83x-0.87x on float32 of
+  // 128-1024 channels; forward 0.87x on 1024-channel rows of float32,
+  // 0.86x on 32x256x56x56 float16. Rows cut into column blocks (2048
+  // channels) and 64-channel rows were level, and so were requests in the
+  // second statistics pass (block in cache), the elementwise pass and the
+  // chunk walk of the grad sums (in one process, with and without).
+  static constexpr int64_t kRowAhead = kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T));
+
+  // Sum of columns [j, j + n) of `s` in float64, in a fixed order: lanes of
+  // eight (vectors of double) across the columns, then a fixed tree.
+  static double segment_total(const ColumnSums& s, int64_t j, int64_t n) {
+    if (n == 1) return s.value(j);
+    using VecD = at::vec::Vectorized<double>;
+    constexpr int64_t D = VecD::size();
+    alignas(64) double lanes[D] = {};
+    int64_t i = 0;
+    // Full groups: a loop of constant count, which the compiler vectorizes
+    // (a variable one stayed scalar: 8% of a fused 16x2048x7x7 forward).
+    for (; i + D <= n; i += D)
+      for (int64_t l = 0; l < D; ++l) lanes[l] += s.value(j + i + l);
+    for (int64_t l = 0; l < n - i; ++l) lanes[l] += s.value(j + i + l);
+    for (int64_t half = D / 2; half >= 1; half /= 2)
+      for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+    return lanes[0];
+  }
+
+  // The walk of the passes that go by rows (sum_max_by_rows,
+  // grad_sums_by_rows): for each run of kRowRun rows, row(o, first) on each
+  // of its rows in order (first: the run's first, whose sums start from
+  // zero, as in registers), then run_end(r0, r1).
+  template <typename Row, typename RunEnd>
+  static void for_rows_of_runs(const Block& blk, const Row& row, const RunEnd& run_end) {
+    for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
+      const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
+      for (int64_t o = r0; o < r1; ++o) row(o, o == r0);
+      run_end(r0, r1);
+    }
+  }
+
+  // Whether the block's rows are whole rows of 512 bytes or more, the rows
+  // that the row walks (grad_sums_by_rows, sum_max_by_rows) can take.
+  static bool whole_wide_rows(const Extent& e, const Block& blk) {
+    constexpr int64_t kMinRowBytes = 512;
+    return blk.s0 == 0 && blk.s1 == e.channels && e.channels * static_cast<int64_t>(sizeof(T)) >= kMinRowBytes &&
+           e.channels - e.channels % K > kGroup * K;
+  }
+};
+
+}  // namespace
+}  // namespace CPU_CAPABILITY
+}  // namespace torch_bn_grad::cpu
