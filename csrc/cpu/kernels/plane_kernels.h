@@ -207,12 +207,21 @@ struct PlaneKernels {
 
   // Statistics pass 1: the exact sum of x and max |x| (a plain max: see
   // exact_centre). Zero-filled lanes of a partial chunk add nothing to either.
-  // Every term is added exactly (no plain runs): the mean must be right to
-  // well within half a unit of its float32 rounding.
+  //
+  // float32 data: every term is added exactly (no plain runs), so that the
+  // mean is right to well within half a unit of its float32 rounding.
+  // Half-precision data: plain runs of kRowRun chunks a chain, each run
+  // added exactly, as the row kernels do. Its terms have 8 or 11
+  // significant bits, so a float32 run of 8 rounds only when it holds terms
+  // over 2^13 (bfloat16: 2^16) times smaller than its largest, and then only
+  // those terms' low bits; TwoSum on every term cost these planes more than
+  // the rest of the forward (32x256x14x14 float16: the pass was ~70% of the
+  // statistics' samples, the statistics 2.6x the elementwise pass).
   template <int G>
   struct SumMaxPass {
     static constexpr int kGroups = G, kChains = G * P;
     static constexpr bool kFromMemory = true;
+    static constexpr bool kPlainRuns = sizeof(T) == 2;
     const T* x;
     Sums<1, kChains> sums;
     Vec max_abs[kChains];
@@ -225,13 +234,19 @@ struct PlaneKernels {
       Vec v[P];
       if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
-        // In segments of long rows the FMA ports share TwoSum's adds
-        // (exact_sum.h); shorter rows wait on the FMA's latency.
-        add_exact<std::is_same_v<L, SegmentChunk>>(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
+        if constexpr (kPlainRuns) {
+          sums.run[0][c + q] = sums.run[0][c + q] + v[q];
+        } else {
+          // In segments of long rows the FMA ports share TwoSum's adds
+          // (exact_sum.h); shorter rows wait on the FMA's latency.
+          add_exact<std::is_same_v<L, SegmentChunk>>(sums.sum[0][c + q], sums.err[0][c + q], v[q]);
+        }
         max_abs[c + q] = at::vec::clamp_min(v[q].abs(), max_abs[c + q]);
       }
     }
-    C10_ALWAYS_INLINE void flush() {}
+    C10_ALWAYS_INLINE void flush() {
+      if constexpr (kPlainRuns) sums.flush();
+    }
     C10_ALWAYS_INLINE acc_t max_all() const { return max_of(std::make_integer_sequence<int, kChains>{}); }
     template <int... I>
     C10_ALWAYS_INLINE acc_t max_of(std::integer_sequence<int, I...>) const {  // constant indices, as in Sums
