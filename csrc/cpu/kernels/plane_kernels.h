@@ -211,10 +211,11 @@ struct PlaneKernels {
   // float32 data: every term is added exactly (no plain runs), so that the
   // mean is right to well within half a unit of its float32 rounding.
   // Half-precision data: plain runs of kRowRun chunks a chain, each run
-  // added exactly, as the row kernels do. Its terms have 8 or 11
-  // significant bits, so a float32 run of 8 rounds only when it holds terms
-  // over 2^13 (bfloat16: 2^16) times smaller than its largest, and then only
-  // those terms' low bits; TwoSum on every term cost these planes more than
+  // added exactly, as the row kernels do. Its terms have 11 (float16) or 8
+  // (bfloat16) significant bits and a run's sum is under 8 times its largest
+  // term, so the run's 24-bit sum rounds only when it holds terms over 2^10
+  // (bfloat16: 2^13) times smaller than its largest, and then only those
+  // terms' low bits; TwoSum on every term cost these planes more than
   // the rest of the forward (32x256x14x14 float16: the pass was ~70% of the
   // statistics' samples, the statistics 2.6x the elementwise pass).
   template <int G>
