@@ -42,11 +42,21 @@ DATA: dict[str, Callable[[tuple[int, ...], torch.Generator], tuple[Tensor, Tenso
     "offset 1000": lambda s, g: (1000 + _randn(s, g), _randn(s, g)),
     "variance ~1e-6": lambda s, g: (1 + 1e-3 * _randn(s, g), _randn(s, g)),
     "near half range": lambda s, g: (_uniform(s, g, HALF_RANGE), _uniform(s, g, HALF_RANGE)),
+    # Magnitudes log-uniform over 2^-12..2^12: the plain runs of half-precision
+    # sums (plane_kernels.h) round when a run mixes terms 2^10 apart.
+    "mixed magnitudes": lambda s, g: (_log_uniform(s, g, 12), _randn(s, g)),
 }
 
 
 def _randn(shape, g):
     return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _log_uniform(shape, g, octaves):
+    """Random signs times 2^u, u uniform in [-octaves, octaves]."""
+    u = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * octaves
+    sign = torch.randint(0, 2, shape, generator=g).to(torch.float64) * 2 - 1
+    return sign * torch.exp2(u)
 
 
 def _uniform(shape, g, bound):
