@@ -3,9 +3,11 @@
 Where planes are short (under 1 KiB, or under 4 KiB on a 4 MB tensor), are
 reduced as planes, and a pass's operands are at least
 ``channel_runs_min_pass_bytes`` (``csrc/cpu/cache_geometry.cpp``: 8 MB under
-a server's mesh L3, over 64 MB or an Intel core's with AVX512; where the L3
-is a CCD's or a client chip's, its size for the backward and never for the
-forward; or ``TORCH_BN_GRAD_CHANNEL_RUNS_MB`` for both), each thread reduces a run of adjacent channels, finishes them and
+a server's mesh L3, an Intel core's with AVX512 or, on other vendors', one
+over 64 MB; where the L3 is an AMD CCD's (whatever its size) or a client
+chip's, its size for the backward and never for the forward; the size as
+Linux describes CPU 0's L3, else the C library's; or
+``TORCH_BN_GRAD_CHANNEL_RUNS_MB`` for both), each thread reduces a run of adjacent channels, finishes them and
 runs their elementwise pass while they are still in its L2
 (``channel_run_channels`` in ``csrc/cpu/kernels/partition.h``).
 
