@@ -211,18 +211,15 @@ struct PlaneKernels {
   // float32 data: every term is added exactly (no plain runs), so that the
   // mean is right to well within half a unit of its float32 rounding.
   // Half-precision data: plain runs of kRowRun chunks a chain, each run
-  // added exactly, as the row kernels do. Its terms have 11 (float16) or 8
-  // (bfloat16) significant bits and a run's sum is under 8 times its largest
-  // term, so the run's 24-bit sum rounds only when it holds terms over 2^10
-  // (bfloat16: 2^13) times smaller than its largest, and then only those
-  // terms' low bits. The mean of such data is then within a few float32
-  // units of the exact one where the data cancel (a channel's terms of
-  // mixed sign over 2^24 in magnitude: up to 14 units; ordinary data: 0 or
-  // 1), as with channels_last, instead of correctly rounded, and still
-  // 20x-30x closer than native's (tests/accuracy.py, "mixed magnitudes").
-  // TwoSum on every term cost these planes more than
-  // the rest of the forward (32x256x14x14 float16: the pass was ~70% of the
-  // statistics' samples, the statistics 2.6x the elementwise pass).
+  // added exactly, as the row kernels do; TwoSum on every term had cost
+  // these planes more than the rest of the forward (32x256x14x14 float16).
+  // Its terms have 11 (float16) or 8 (bfloat16) significant bits and a run's
+  // sum stays under 8 times its largest term, so a run rounds only terms
+  // over 2^10 (bfloat16: 2^13) times smaller than its largest, and only
+  // their low bits. Where such data cancel, the mean is then a few float32
+  // units from the exact one (up to 14 on tests/accuracy.py's "mixed
+  // magnitudes"; 0 or 1 on ordinary data), as on channels_last, instead of
+  // correctly rounded: about 30x closer than native's there.
   template <int G>
   struct SumMaxPass {
     static constexpr int kGroups = G, kChains = G * P;
