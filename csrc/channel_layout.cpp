@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "batch_norm_args.h"
+#include "cpu/kernels/kernel_table.h"
 
 namespace torch_bn_grad {
 namespace {
@@ -74,8 +75,8 @@ std::vector<int64_t> kernel_from_logical(const ChannelPlan& plan) {
 }  // namespace
 
 // The CPU operators' per-channel values. The common case, a contiguous
-// vector in kernel order, is converted by a plain loop (TensorIterator's
-// set-up costs more than the copy of a few channels).
+// vector in kernel order, is converted by the CPU kernels' vector loop
+// (TensorIterator's set-up costs more than the copy of a few channels).
 void load_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan& plan, double fill,
                           const at::Tensor& like, double* out) {
   if (!t.has_value()) {
@@ -83,10 +84,7 @@ void load_kernel_channels(const std::optional<at::Tensor>& t, const ChannelPlan&
     return;
   }
   if (plan.kept_kernel == plan.kept_logical && t->is_contiguous()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t->scalar_type(), "load_kernel_channels", [&] {
-      const scalar_t* in = t->const_data_ptr<scalar_t>();
-      for (int64_t k = 0; k < plan.channels; ++k) out[k] = static_cast<double>(in[k]);
-    });
+    cpu::kernel_table().widen_channels(*t, out);
     return;
   }
   const at::Tensor v = to_kernel_channels(t, plan, at::kDouble, fill, like);
@@ -105,7 +103,7 @@ at::Tensor to_kernel_channels(const std::optional<at::Tensor>& t, const ChannelP
       .view({plan.channels});
 }
 
-// c10::convert rounds as Tensor.to does (once, to the nearest).
+// Rounded as Tensor.to rounds (once, to the nearest: narrow_channels).
 at::Tensor kernel_channels_result(const double* v, const ChannelPlan& plan, at::ScalarType dtype,
                                   const at::Tensor& like) {
   const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
@@ -115,10 +113,7 @@ at::Tensor kernel_channels_result(const double* v, const ChannelPlan& plan, at::
     return from_kernel_channels(copy, plan, dtype, like);
   }
   at::Tensor out = at::empty(plan.stats_shape, options);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "kernel_channels_result", [&] {
-    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    for (int64_t k = 0; k < plan.channels; ++k) dst[k] = c10::convert<scalar_t>(v[k]);
-  });
+  cpu::kernel_table().narrow_channels(v, out);
   return out;
 }
 

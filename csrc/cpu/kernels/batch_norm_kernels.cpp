@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "batch_norm_math.h"
+#include "cpu/kernels/channel_convert.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/kernels/operators.h"
 #include "cpu/kernels/partition.h"
@@ -173,7 +174,8 @@ const KernelTable& TBG_CONCAT(kernel_table_, CPU_CAPABILITY)() {
   static const KernelTable table{
       &CPU_CAPABILITY::forward_batch, &CPU_CAPABILITY::forward_frozen, &CPU_CAPABILITY::backward,
       &CPU_CAPABILITY::batch_moments, &CPU_CAPABILITY::grad_sums,
-      &CPU_CAPABILITY::grad_input,    &CPU_CAPABILITY::update_running, TBG_STR(CPU_CAPABILITY)};
+      &CPU_CAPABILITY::grad_input,    &CPU_CAPABILITY::update_running, &CPU_CAPABILITY::widen_channels,
+      &CPU_CAPABILITY::narrow_channels, TBG_STR(CPU_CAPABILITY)};
   return table;
 }
 

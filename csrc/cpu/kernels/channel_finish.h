@@ -45,19 +45,21 @@ namespace {  // internal linkage: see vec_io.h
 using VecD = at::vec::Vectorized<double>;
 constexpr int64_t kLanes = VecD::size();
 
-// kLanes doubles narrowed to float (each rounded once, to the nearest), in
-// the ISA's register of half the width. A generic loop was split by the
-// compiler into halves stored to the stack and reloaded whole, which stalled
-// the per-channel work on store forwarding.
+// kLanes doubles narrowed to float (each rounded once, to the nearest), or
+// kLanes floats loaded as they are, in the ISA's register of half the width.
+// A generic loop was split by the compiler into halves stored to the stack
+// and reloaded whole, which stalled the per-channel work on store forwarding.
 struct NarrowedLanes {
 #if defined(CPU_CAPABILITY_AVX512)
   __m256 v;
   explicit NarrowedLanes(const VecD& d) : v(_mm512_cvtpd_ps(d)) {}
+  explicit NarrowedLanes(const float* p) : v(_mm256_loadu_ps(p)) {}
   VecD widened() const { return _mm512_cvtps_pd(v); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
 #elif defined(CPU_CAPABILITY_AVX2)
   __m128 v;
   explicit NarrowedLanes(const VecD& d) : v(_mm256_cvtpd_ps(d)) {}
+  explicit NarrowedLanes(const float* p) : v(_mm_loadu_ps(p)) {}
   VecD widened() const { return _mm256_cvtps_pd(v); }
   void store(float* p) const { _mm_storeu_ps(p, v); }
 #else
@@ -65,6 +67,7 @@ struct NarrowedLanes {
   explicit NarrowedLanes(const VecD& d) {
     for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(d[l]);
   }
+  explicit NarrowedLanes(const float* p) { std::copy_n(p, kLanes, v); }
   VecD widened() const {
     alignas(64) double d[kLanes];
     for (int64_t l = 0; l < kLanes; ++l) d[l] = v[l];

@@ -43,6 +43,11 @@ struct KernelTable {
   // at::lerp's roundings. Here so that its fused multiply-add is an
   // instruction, not a libm call per value.
   void (*update_running)(const at::Tensor& running, const at::Tensor& batch, double factor, double weight);
+  // The operators' per-channel vectors (channel_convert.h): a contiguous
+  // floating vector to float64 values, and float64 values to one, rounded
+  // once to the nearest.
+  void (*widen_channels)(const at::Tensor& t, double* out);
+  void (*narrow_channels)(const double* v, const at::Tensor& out);
   const char* isa;
 };
 
