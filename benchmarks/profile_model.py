@@ -8,6 +8,10 @@ and fused (``convert_batchnorm(fuse=True)``), one after the other in one process
 The "Self CUDA time total" (or CPU total on the CPU) line of each table is the
 sum over ``--steps`` steps; the wall time of a step is the model benchmark's
 (``python -m torch_bn_grad.bench --model ...``).
+
+``--by-shape`` prints instead, per input shape, the batch norm operators'
+self time per step inside the model, native's against ours (CPU; each
+model profiled twice, interleaved, and the two profiles averaged).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=224)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--by-shape", action="store_true", help="batch norm time per layer shape, native vs ours")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
@@ -47,25 +52,63 @@ def main() -> None:
     target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if args.by_shape:
+        del models["fused"]
+        shapes: dict[str, dict] = {"native": {}, "ours": {}}
+        for name in ("native", "ours", "native", "ours"):
+            prof = _profile(models[name], x, target, args.steps, [ProfilerActivity.CPU], lambda: None, shapes=True)
+            for key, us in _batch_norm_by_shape(prof).items():
+                shapes[name][key] = shapes[name].get(key, 0.0) + us / (2 * args.steps)
+        print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
+              f"batch norm self time per training step (CPU, us), by input shape")
+        for key in sorted(shapes["native"], key=lambda k: (k[0], k[1])):
+            n, o = shapes["native"][key], shapes["ours"].get(key, float("nan"))
+            print(f"{key[0]:9s} {key[1]:20s} native {n:9.1f}  ours {o:9.1f}  {n / o:5.2f}x")
+        print(f"total     native {sum(shapes['native'].values()):9.1f}  ours {sum(shapes['ours'].values()):9.1f}")
+        return
     for name, model in models.items():
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x), target).backward()
-            optimizer.step()
-
-        for _ in range(args.steps):
-            step()  # warm-up: allocator, cuDNN's algorithm choice
-        sync()
-        with profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                step()
-            sync()
+        prof = _profile(model, x, target, args.steps, activities, sync)
         print(f"===== {name}: {args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
               f"{args.steps} training steps on {args.device}")
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=110))
+
+
+# The batch norm operators of both implementations, forward and backward.
+_FORWARD = ("aten::native_batch_norm", "torch_bn_grad::batch_norm_forward")
+_BACKWARD = ("aten::native_batch_norm_backward", "torch_bn_grad::batch_norm_backward")
+
+
+def _batch_norm_by_shape(prof) -> dict[tuple[str, str], float]:
+    """Self CPU microseconds of the batch norm operators, keyed by (direction, input shape)."""
+    times: dict[tuple[str, str], float] = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key not in _FORWARD + _BACKWARD:
+            continue
+        backward = event.key in _BACKWARD
+        # native's backward takes (grad_out, input, ...), ours (input, grad_out, ...): both shapes agree
+        key = ("backward" if backward else "forward", "x".join(map(str, event.input_shapes[0])))
+        times[key] = times.get(key, 0.0) + event.self_cpu_time_total
+    return times
+
+
+def _profile(model, x, target, steps: int, activities, sync, shapes: bool = False):
+    """A profile of `steps` training steps of `model`, after as many unprofiled ones."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), target).backward()
+        optimizer.step()
+
+    for _ in range(steps):
+        step()  # warm-up: allocator, cuDNN's algorithm choice
+    sync()
+    with profile(activities=activities, record_shapes=shapes) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    return prof
 
 
 if __name__ == "__main__":

@@ -70,3 +70,23 @@ def test_profile_model_tables_the_three_models():
     headers = [line.split(":")[0] for line in out.splitlines() if line.startswith("=====")]
     assert headers == ["===== native", "===== ours", "===== fused"]
     assert out.count("Self CPU time total") == 3
+
+
+def test_profile_model_by_shape_pairs_every_layer_shape():
+    """``--by-shape``: one row per (direction, input shape) of the model's batch
+    norm layers, native's time against ours, and the totals."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_model.py"), "--device", "cpu", "--model", "resnet18",
+         "--batch-size", "2", "--resolution", "32", "--steps", "1", "--by-shape"],
+        capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward"))]
+    # ResNet-18 at 32x32, batch 2: batch norm inputs of 64 channels at 8x8 down to 512 at 1x1.
+    shapes = {(r[0], r[1]) for r in rows}
+    assert ("forward", "2x64x8x8") in shapes and ("backward", "2x512x1x1") in shapes
+    assert all(r[2] == "native" and r[4] == "ours" and float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
+    assert sum(r[0] == "forward" for r in rows) == sum(r[0] == "backward" for r in rows)
+    assert out.splitlines()[-1].startswith("total")
