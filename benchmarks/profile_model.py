@@ -46,14 +46,14 @@ def main() -> None:
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
     native = resnets.MODELS[args.model](1000).to(args.device, memory_format=fmt)
-    models = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native)),
-              "fused": torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)}
+    models = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native))}
+    if not args.by_shape:
+        models["fused"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution).to(args.device, memory_format=fmt)
     target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     if args.by_shape:
-        del models["fused"]
         shapes: dict[str, dict] = {"native": {}, "ours": {}}
         for name in ("native", "ours", "native", "ours"):
             prof = _profile(models[name], x, target, args.steps, [ProfilerActivity.CPU], lambda: None, shapes=True)
@@ -61,7 +61,7 @@ def main() -> None:
                 shapes[name][key] = shapes[name].get(key, 0.0) + us / (2 * args.steps)
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
               f"batch norm self time per training step (CPU, us), by input shape")
-        for key in sorted(shapes["native"], key=lambda k: (k[0], k[1])):
+        for key in sorted(shapes["native"]):
             n, o = shapes["native"][key], shapes["ours"].get(key, float("nan"))
             print(f"{key[0]:9s} {key[1]:20s} native {n:9.1f}  ours {o:9.1f}  {n / o:5.2f}x")
         print(f"total     native {sum(shapes['native'].values()):9.1f}  ours {sum(shapes['ours'].values()):9.1f}")
@@ -85,9 +85,8 @@ def _batch_norm_by_shape(prof) -> dict[tuple[str, str], float]:
     for event in prof.key_averages(group_by_input_shape=True):
         if event.key not in _FORWARD + _BACKWARD:
             continue
-        backward = event.key in _BACKWARD
         # native's backward takes (grad_out, input, ...), ours (input, grad_out, ...): both shapes agree
-        key = ("backward" if backward else "forward", "x".join(map(str, event.input_shapes[0])))
+        key = ("backward" if event.key in _BACKWARD else "forward", "x".join(map(str, event.input_shapes[0])))
         times[key] = times.get(key, 0.0) + event.self_cpu_time_total
     return times
 

@@ -21,34 +21,21 @@ namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {  // internal linkage: see vec_io.h
 
-// out[k] = t[k] for a contiguous float64, float32, float16 or bfloat16 vector
-// (every value exact in float64).
+// out[k] = t[k] for a contiguous vector of any floating dtype (every value
+// exact in float64).
 void widen_channels(const at::Tensor& t, double* out) {
   const int64_t n = t.numel();
-  switch (t.scalar_type()) {
-    case at::kDouble:
-      std::copy_n(t.const_data_ptr<double>(), n, out);
-      return;
-    case at::kFloat: {
-      const float* in = t.const_data_ptr<float>();
-      int64_t k = 0;
-      for (; k + kLanes <= n; k += kLanes) NarrowedLanes(in + k).widened().store(out + k);
-      for (; k < n; ++k) out[k] = static_cast<double>(in[k]);
-      return;
-    }
-    case at::kHalf: {
-      const c10::Half* in = t.const_data_ptr<c10::Half>();
-      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<double>(static_cast<float>(in[k]));
-      return;
-    }
-    case at::kBFloat16: {
-      const c10::BFloat16* in = t.const_data_ptr<c10::BFloat16>();
-      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<double>(static_cast<float>(in[k]));
-      return;
-    }
-    default:
-      TORCH_CHECK(false, "widen_channels: unexpected dtype ", t.scalar_type());
+  if (t.scalar_type() == at::kFloat) {
+    const float* in = t.const_data_ptr<float>();
+    int64_t k = 0;
+    for (; k + kLanes <= n; k += kLanes) NarrowedLanes(in + k).widened().store(out + k);
+    for (; k < n; ++k) out[k] = static_cast<double>(in[k]);
+    return;
   }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "widen_channels", [&] {
+    const scalar_t* in = t.const_data_ptr<scalar_t>();
+    for (int64_t k = 0; k < n; ++k) out[k] = static_cast<double>(in[k]);
+  });
 }
 
 // out[k] = v[k] rounded once, to the nearest, to out's dtype (c10::convert,
