@@ -3,6 +3,7 @@
     python -m torch_bn_grad.bench (or, in a checkout, python benchmarks/ops.py) [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16,float16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module] [--min-run-time S]
+                                  [--shapes 32x64x56x56 ...] [--processes N]
     python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
                                   [--modes train,eval] [--executions eager,compile] [--layouts ...]
                                   [--iters 3] [--rounds 5] [--opaque] [--fuse] [--threads N] [--json FILE]
@@ -18,7 +19,10 @@ bandwidth ours achieves and its percentage of the bandwidth bound. The bound
 is the operator's minimal memory traffic (forward: read src, write dst;
 backward: read src and diff_dst, write diff_src; module forward+backward: both)
 divided by the copy bandwidth measured in the same run on tensors of the same
-size, on the same device.
+size, on the same device. ``--processes N`` times the cases in N fresh
+processes and prints, per case, the medians over them and the range of the
+speedups (``benchmarks/op_processes.py``: a process's memory placement moves
+a case's time on a VM); ``--shapes`` times the given shapes.
 
 The baseline is ``aten.native_batch_norm`` / ``native_batch_norm_backward``
 for the operator rows and ``torch.nn.BatchNorm*d`` (which takes cuDNN where
@@ -47,6 +51,7 @@ if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch_bn_grad  # noqa: E402
 from benchmarks import models as _model_bench  # noqa: E402
+from benchmarks import op_processes as _op_processes  # noqa: E402
 from benchmarks import speedup_plot as _plot  # noqa: E402
 from torch_bn_grad import _compat  # noqa: E402
 
@@ -76,6 +81,10 @@ class Result:
     speedup: float
     gbps: float
     bound_pct: float
+    # With --processes N: the lowest and highest of the N processes' speedups
+    # (`speedup` is their median); None for a single process.
+    speedup_min: Optional[float] = None
+    speedup_max: Optional[float] = None
 
 
 def _median_ms(fn: Callable[[], object], min_run_time: float) -> float:
@@ -176,8 +185,7 @@ def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str, dev
 def run(shapes, dtypes, layouts, directions, min_run_time: float, device: str = "cpu", log=print) -> list[Result]:
     """Measure every case on `device`; prints a row as each finishes."""
     results = []
-    log(f"{'shape':>22} {'dtype':>8} {'layout':>13} {'direction':>9} {'native ms':>10} {'ours ms':>9} "
-        f"{'speedup':>8} {'GB/s':>7} {'% bound':>8}")
+    log(table_header())
     bandwidth: dict = {}
     for shape in shapes:
         for dtype_name in dtypes:
@@ -202,9 +210,60 @@ def run(shapes, dtypes, layouts, directions, min_run_time: float, device: str = 
                                round(ours_ms, 4), round(native_ms / ours_ms, 3), round(gbps, 2),
                                round(100 * gbps * 1e9 / bw, 1))
                     results.append(r)
-                    log(f"{str(r.shape):>22} {r.dtype:>8} {r.layout:>13} {r.direction:>9} {r.native_ms:>10.3f} "
-                        f"{r.ours_ms:>9.3f} {r.speedup:>7.2f}x {r.gbps:>7.1f} {r.bound_pct:>7.1f}%")
+                    log(table_row(r))
     return results
+
+
+def table_header(spread: bool = False) -> str:
+    """The table's column names; `spread`: with the range of speedups over processes."""
+    return (f"{'shape':>22} {'dtype':>8} {'layout':>13} {'direction':>9} {'native ms':>10} {'ours ms':>9} "
+            f"{'speedup':>8} {'GB/s':>7} {'% bound':>8}" + (f" {'speedup range':>15}" if spread else ""))
+
+
+def table_row(r: Result) -> str:
+    """One case's row; the range of its speedups where it has one (--processes)."""
+    row = (f"{str(r.shape):>22} {r.dtype:>8} {r.layout:>13} {r.direction:>9} {r.native_ms:>10.3f} "
+           f"{r.ours_ms:>9.3f} {r.speedup:>7.2f}x {r.gbps:>7.1f} {r.bound_pct:>7.1f}%")
+    if r.speedup_min is not None:
+        row += f" {r.speedup_min:>6.2f}x-{r.speedup_max:.2f}x"
+    return row
+
+
+def summary(results: list[Result]) -> str:
+    """The closing line: case count, median speedup, the cases slower than native and the worst one."""
+    if not results:
+        return "0 cases"
+    speedups = sorted(r.speedup for r in results)
+    slower = [r for r in results if r.speedup < 1]
+    line = f"{len(results)} cases, median speedup {speedups[len(speedups) // 2]:.2f}x, {len(slower)} slower than native"
+    if results[0].speedup_max is not None:
+        line += f" ({sum(r.speedup_max < 1 for r in slower)} of them in every process)"
+    worst = min(results, key=lambda r: r.speedup)
+    return line + f"; worst: {worst.shape} {worst.dtype} {worst.layout} {worst.direction} {worst.speedup:.2f}x"
+
+
+def _parse_shape(text: str) -> tuple:
+    """`32x64x56x56` as (32, 64, 56, 56): rank 2 to 5."""
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not 2 <= len(shape) <= 5 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected a shape like 32x64x56x56 (rank 2 to 5, sizes >= 1), got {text!r}")
+    return shape
+
+
+def _process_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of one process of --processes: the cases and their timing, no outputs."""
+    argv = ["--device", args.device, "--dtypes", args.dtypes, "--layouts", args.layouts,
+            "--directions", args.directions, "--min-run-time", str(args.min_run_time)]
+    if args.shapes:
+        argv += ["--shapes", *("x".join(map(str, shape)) for shape in args.shapes)]
+    elif args.full:
+        argv.append("--full")
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return argv
 
 
 def plot(results: list[Result], path: str, device: str = "cpu") -> None:
@@ -229,6 +288,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="NxCx...",
+                        help="these shapes instead of the quick (or --full) set, e.g. 32x64x56x56 4096x1024")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="time the cases in N fresh processes, one after the other, and report per case the "
+                             "median over them and the range of the speedups (see benchmarks/op_processes.py)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
     _model_bench.add_arguments(parser)
@@ -236,7 +300,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     problem = device_problem(args.device)
     if problem:
         parser.error(f"--device {args.device}: {problem}")
+    if args.processes < 1:
+        parser.error(f"--processes: expected a count >= 1, got {args.processes}")
     if args.model:
+        if args.processes > 1 or args.shapes:
+            parser.error("--processes and --shapes are options of the operator table, not of --model")
         if args.threads:
             torch.set_num_threads(args.threads)
         _model_bench.main(args)
@@ -244,16 +312,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_device(args.device))
-    results = run(FULL_SHAPES if args.full else QUICK_SHAPES, args.dtypes.split(","), args.layouts.split(","),
-                  args.directions.split(","), args.min_run_time, args.device)
+    if args.processes > 1:
+        tables = _op_processes.run(Path(__file__).resolve(), _process_argv(args), args.processes)
+        results = [Result(**{**row, "shape": tuple(row["shape"])}) for row in _op_processes.merge(tables)]
+        print(f"median of {args.processes} processes")
+        print(table_header(spread=True))
+        for r in results:
+            print(table_row(r))
+    else:
+        shapes = args.shapes or (FULL_SHAPES if args.full else QUICK_SHAPES)
+        results = run(shapes, args.dtypes.split(","), args.layouts.split(","), args.directions.split(","),
+                      args.min_run_time, args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     if args.plot:
         plot(results, args.plot, args.device)
-    slower = [r for r in results if r.speedup < 1]
-    print(f"{len(results)} cases, median speedup "
-          f"{sorted(r.speedup for r in results)[len(results) // 2]:.2f}x, {len(slower)} slower than native")
+    print(summary(results))
 
 
 if __name__ == "__main__":

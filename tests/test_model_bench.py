@@ -89,3 +89,61 @@ def test_allocator_bench_environment_and_parse(monkeypatch):
     monkeypatch.setitem(allocators.ALLOCATORS, "jemalloc", ({}, allocators.ROOT / "no-such-lib.so"))
     assert allocators.available(["glibc", "jemalloc"], log=notes.append) == ["glibc"]
     assert "skipping jemalloc" in notes[0]
+
+
+def _row(shape, dtype, speedup, native_ms=1.0):
+    return {"shape": list(shape), "device": "cpu", "dtype": dtype, "layout": "contiguous", "direction": "forward",
+            "native_ms": native_ms, "ours_ms": native_ms / speedup, "speedup": speedup, "gbps": 10.0,
+            "bound_pct": 50.0, "speedup_min": None, "speedup_max": None}
+
+
+def test_op_processes_merge_takes_medians_and_ranges():
+    processes = entry.load("op_processes")
+    tables = [[_row((8, 4), "float32", 0.8), _row((8, 4), "float16", 2.0)],
+              [_row((8, 4), "float16", 1.0), _row((8, 4), "float32", 1.2, native_ms=3.0)],
+              [_row((8, 4), "float32", 1.1), _row((8, 4), "float16", 3.0)]]
+    first, second = processes.merge(tables)
+    assert (first["dtype"], second["dtype"]) == ("float32", "float16")  # the first table's order
+    assert first["speedup"] == 1.1 and (first["speedup_min"], first["speedup_max"]) == (0.8, 1.2)
+    assert first["native_ms"] == 1.0 and second["speedup"] == 2.0
+    with pytest.raises(ValueError, match="different cases"):
+        processes.merge([tables[0], tables[1][:1]])
+    with pytest.raises(ValueError, match="no tables"):
+        processes.merge([])
+
+
+def test_op_bench_summary_names_the_worst_case():
+    def result(speedup, lo=None, hi=None, dtype="float32"):
+        return bench.Result((8, 4), "cpu", dtype, "contiguous", "forward", 1.0, 1.0 / speedup, speedup, 1.0, 1.0,
+                            lo, hi)
+    line = bench.summary([result(1.5), result(0.9, dtype="float16"), result(2.0)])
+    assert line.startswith("3 cases, median speedup 1.50x, 1 slower than native")
+    assert "worst: (8, 4) float16 contiguous forward 0.90x" in line
+    line = bench.summary([result(0.9, 0.8, 1.1), result(0.95, 0.9, 0.97), result(1.2, 1.1, 1.3)])
+    assert "2 slower than native (1 of them in every process)" in line
+
+
+def test_op_bench_shapes_in_processes_table_and_json(tmp_path, capsys):
+    path = tmp_path / "ops.json"
+    bench.main(["--shapes", "6x3x4x4", "--dtypes", "float32", "--directions", "forward,backward",
+                "--min-run-time", "0.01", "--processes", "2", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "median of 2 processes" in out and "speedup range" in out and "worst: (6, 3, 4, 4)" in out
+    rows = json.loads(path.read_text())
+    assert {(tuple(r["shape"]), r["layout"], r["direction"]) for r in rows} == {
+        ((6, 3, 4, 4), layout, direction) for layout in ("contiguous", "channels_last")
+        for direction in ("forward", "backward")}
+    for r in rows:
+        assert r["native_ms"] > 0 and r["ours_ms"] > 0 and r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "32xfoo"], "expected a shape like 32x64x56x56"),
+    (["--shapes", "7"], "expected a shape like 32x64x56x56"),
+    (["--processes", "0"], "--processes: expected a count >= 1, got 0"),
+    (["--model", "resnet18", "--processes", "2"], "not of --model"),
+])
+def test_op_bench_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
