@@ -1,7 +1,8 @@
 """Benchmarks of torch_bn_grad, beside ``tests/``: not part of the installed package.
 
 * ``ops.py``: the operator table and plot (``python -m torch_bn_grad.bench``, or
-  ``python benchmarks/ops.py`` in a checkout); ``--model`` runs ``models.py``.
+  ``python benchmarks/ops.py`` in a checkout); ``--model`` runs ``models.py``,
+  ``--processes N`` runs the table in N processes (``op_processes.py``).
 * ``models.py``: a whole ResNet (``resnets.py``) with our BatchNorm against torch's.
 * ``speedup_plot.py``: the speedup plot both tables draw (``--plot``).
 * ``call_overhead.py``: the per-call cost of a tiny BatchNorm2d;
