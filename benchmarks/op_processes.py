@@ -30,9 +30,8 @@ def case_key(row: dict) -> tuple:
 
 def run(script: Path, argv: list[str], processes: int, log: Callable[[str], object] = print) -> list[list[dict]]:
     """The rows (``Result`` as dicts) of `processes` runs of ``python script *argv``,
-    each in a fresh process writing its table to a JSON file."""
-    if processes < 1:
-        raise ValueError(f"--processes: expected a count >= 1, got {processes}")
+    each in a fresh process writing its table to a JSON file (``ops.main`` checks
+    the count)."""
     tables = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(processes):
