@@ -12,6 +12,12 @@ sum over ``--steps`` steps; the wall time of a step is the model benchmark's
 ``--by-shape`` prints instead, per input shape, the batch norm operators'
 self time per step inside the model, native's against ours (CPU; each
 model profiled twice, interleaved, and the two profiles averaged).
+
+``--breakdown`` prints instead each model's self time per step by kind of
+operator (convolution, batch norm, activation, addition, other) and Amdahl's
+bound on the speedup of ours and fused, from native's shares
+(``benchmarks/step_breakdown.py``; CPU, profiles interleaved and averaged as
+for ``--by-shape``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch_bn_grad
 
 if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import resnets
+from benchmarks import resnets, step_breakdown
 
 
 def main() -> None:
@@ -41,7 +47,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--by-shape", action="store_true", help="batch norm time per layer shape, native vs ours")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="self time per step by kind of operator, and the speedup bound of ours and fused")
     args = parser.parse_args()
+    if args.by_shape and args.breakdown:
+        parser.error("--by-shape and --breakdown: choose one")
+    if (args.by_shape or args.breakdown) and args.device != "cpu":
+        parser.error(f"--by-shape and --breakdown profile the CPU: expected --device cpu, got {args.device}")
     cuda = args.device == "cuda"
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
@@ -53,6 +65,17 @@ def main() -> None:
     target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if args.breakdown:
+        kinds: dict[str, dict[str, float]] = {name: dict.fromkeys(step_breakdown.KINDS, 0.0) for name in models}
+        for name in list(models) * 2:
+            prof = _profile(models[name], x, target, args.steps, [ProfilerActivity.CPU], lambda: None)
+            times = step_breakdown.by_kind((e.key, e.self_cpu_time_total) for e in prof.key_averages())
+            for kind, us in times.items():
+                kinds[name][kind] += us / (2 * args.steps)
+        print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
+              f"self time per training step (CPU, ms), by kind of operator")
+        print("\n".join(step_breakdown.report(kinds)))
+        return
     if args.by_shape:
         shapes: dict[str, dict] = {"native": {}, "ours": {}}
         for name in ("native", "ours", "native", "ours"):

@@ -1,7 +1,8 @@
 """Smoke tests of the fused benchmarks, tiny sizes: ``benchmarks/fused.py`` (its
 three variants compute the same gradients) and ``--model ... --fuse``; the
-LeakyReLU ResNet that ``examples/peak_memory.py`` fuses with memory_saving; and
-``benchmarks/profile_model.py``'s three tables."""
+LeakyReLU ResNet that ``examples/peak_memory.py`` fuses with memory_saving;
+``benchmarks/profile_model.py``'s three tables and its ``--breakdown`` by kind
+of operator (``benchmarks/step_breakdown.py``)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,42 @@ def test_profile_model_by_shape_pairs_every_layer_shape():
     assert all(r[2] == "native" and r[4] == "ours" and float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
     assert sum(r[0] == "forward" for r in rows) == sum(r[0] == "backward" for r in rows)
     assert out.splitlines()[-1].startswith("total")
+
+
+def test_step_breakdown_kinds_and_bound():
+    """``benchmarks/step_breakdown.py``: each profiler event gets its kind, and
+    Amdahl's bound is the step over what is left without the replaced kinds."""
+    sb = entry.load("step_breakdown")
+
+    assert sb.kind_of("aten::native_batch_norm_backward") == "batch norm"
+    assert sb.kind_of("torch_bn_grad::batch_norm_act_forward_sign_bits") == "batch norm"
+    assert sb.kind_of("autograd::engine::evaluate_function: NativeBatchNormBackward0") == "batch norm"
+    assert sb.kind_of("aten::convolution_backward") == sb.kind_of("aten::mkldnn_convolution") == "convolution"
+    assert sb.kind_of("aten::threshold_backward") == sb.kind_of("aten::clamp_min_") == "activation"
+    assert sb.kind_of("aten::add_") == "addition" and sb.kind_of("aten::addmm") == "other"
+    times = sb.by_kind([("aten::mkldnn_convolution", 80.0), ("aten::native_batch_norm", 10.0),
+                        ("aten::relu_", 4.0), ("aten::add_", 1.0), ("aten::mm", 5.0)])
+    assert times == {"convolution": 80.0, "batch norm": 10.0, "activation": 4.0, "addition": 1.0, "other": 5.0}
+    assert sb.bound(times, ("batch norm",)) == pytest.approx(100 / 90)
+    assert sb.bound(times, sb.REPLACED["fused"]) == pytest.approx(100 / 85)
+    lines = sb.report({"native": times, "ours": dict(times, **{"batch norm": 5.0})})
+    assert lines[-2].startswith("ours: replaces batch norm: 10.0% of native's step, so its step is at most 1.111x")
+    assert lines[-2].endswith("(profiled: 1.053x)") and "profiled" not in lines[-1]
+
+
+def test_profile_model_breakdown_tables_the_kinds():
+    """``--breakdown``: a row per kind of operator, a column per model, and the bounds."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_model.py"), "--device", "cpu", "--model", "resnet18",
+         "--batch-size", "2", "--resolution", "32", "--steps", "1", "--breakdown"],
+        capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    ).stdout.splitlines()
+    header = out.index(next(line for line in out if line.split() == ["native", "ours", "fused"]))
+    rows = {line[:12].strip(): [float(v) for v in line[12:].split()] for line in out[header + 1:header + 7]}
+    assert list(rows) == ["convolution", "batch norm", "activation", "addition", "other", "total"]
+    assert rows["activation"][2] == 0.0 and rows["convolution"][0] > 0
+    assert all(abs(sum(rows[k][i] for k in list(rows)[:5]) - rows["total"][i]) < 0.2 for i in range(3))
+    assert out[-2].startswith("ours: replaces batch norm:") and out[-1].startswith("fused: replaces batch norm,")
