@@ -14,6 +14,9 @@ With ``--opaque``, compiled cases also time ours with
 inductor), as a third variant in the same rounds. With ``--fuse``, every case
 also times ours converted with ``convert_batchnorm(fuse=True)`` (BatchNorm +
 activation, and + residual add, fused) as a further variant in the same rounds.
+With ``--processes N`` the cases run in N fresh processes, one after the
+other, and each row gives the medians over them and the range of each ratio
+(``benchmarks/processes.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 import torch_bn_grad
+from benchmarks import processes as _processes
 from benchmarks import resnets as _models
 from benchmarks import speedup_plot as _plot
 from torch_bn_grad import _compat, config
@@ -55,6 +60,13 @@ class ModelResult:
     fused_ms: Optional[float] = None
     fused_speedup: Optional[float] = None
     device: str = "cpu"
+    # With --processes N: each ratio's lowest and highest over the processes.
+    speedup_min: Optional[float] = None
+    speedup_max: Optional[float] = None
+    opaque_speedup_min: Optional[float] = None
+    opaque_speedup_max: Optional[float] = None
+    fused_speedup_min: Optional[float] = None
+    fused_speedup_max: Optional[float] = None
 
 
 def _opaque_inductor(gm, example_inputs):
@@ -153,13 +165,7 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
         device: str = "cpu") -> list[ModelResult]:
     """Every case; prints a row as each finishes."""
     _raise_recompile_limits()
-    header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
-              f"{'native/ours':>11}")
-    if opaque:
-        header += f" {'opaque ms':>10} {'native/opaque':>13}"
-    if fuse:
-        header += f" {'fused ms':>9} {'native/fused':>12}"
-    log(header)
+    log(table_header(opaque, fuse))
     results = []
     for execution in executions:
         for mode in modes:
@@ -167,14 +173,35 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
                 r = run_case(model_name, mode, layout, execution, batch, resolution, iters, rounds, warmup,
                              opaque, num_classes, fuse, device)
                 results.append(r)
-                line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
-                        f"{r.ours_ms:>9.2f} {r.speedup:>10.3f}x")
-                if r.opaque_ms is not None:
-                    line += f" {r.opaque_ms:>10.2f} {r.opaque_speedup:>12.3f}x"
-                if r.fused_ms is not None:
-                    line += f" {r.fused_ms:>9.2f} {r.fused_speedup:>11.3f}x"
-                log(line)
+                log(table_row(r))
     return results
+
+
+def table_header(opaque: bool, fuse: bool, spread: bool = False) -> str:
+    """The table's column names; `spread`: each ratio with its range over processes."""
+    width = 24 if spread else 11
+    header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
+              f"{'native/ours':>{width}}")
+    if opaque:
+        header += f" {'opaque ms':>10} {'native/opaque':>{width + 2}}"
+    if fuse:
+        header += f" {'fused ms':>9} {'native/fused':>{width + 1}}"
+    return header
+
+
+def table_row(r: ModelResult) -> str:
+    """One case's row; each ratio's range where it has one (--processes)."""
+    def ratio(value: float, low: Optional[float], high: Optional[float], width: int) -> str:
+        text = f"{value:.3f}x" + (f" ({low:.3f}-{high:.3f})" if low is not None else "")
+        return f"{text:>{width + (13 if low is not None else 0)}}"
+
+    line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
+            f"{r.ours_ms:>9.2f} {ratio(r.speedup, r.speedup_min, r.speedup_max, 11)}")
+    if r.opaque_ms is not None:
+        line += f" {r.opaque_ms:>10.2f} {ratio(r.opaque_speedup, r.opaque_speedup_min, r.opaque_speedup_max, 13)}"
+    if r.fused_ms is not None:
+        line += f" {r.fused_ms:>9.2f} {ratio(r.fused_speedup, r.fused_speedup_min, r.fused_speedup_max, 12)}"
+    return line
 
 
 def plot(results: list[ModelResult], path: str) -> None:
@@ -211,17 +238,52 @@ def add_arguments(parser) -> None:
                        help="also time ours converted with convert_batchnorm(fuse=True) (BatchNorm+act(+add) fused)")
 
 
-def main(args) -> None:
-    """Run the model benchmark for parsed ``args`` (see :func:`add_arguments`)."""
+def summary(results: list[ModelResult]) -> str:
+    """One line: per variant, the median ratio over the cases and the worst case."""
+    parts = []
+    for variant, field in (("ours", "speedup"), ("fused", "fused_speedup"), ("opaque", "opaque_speedup")):
+        rated = [(getattr(r, field), r) for r in results if getattr(r, field) is not None]
+        if not rated:
+            continue
+        worst, case = min(rated, key=lambda pair: pair[0])
+        parts.append(f"{variant}: median {statistics.median(v for v, _ in rated):.3f}x, worst {case.mode} "
+                     f"{case.layout} {case.execution} {worst:.3f}x")
+    return f"{len(results)} cases, native / variant; " + "; ".join(parts)
+
+
+def process_argv(args) -> list[str]:
+    """The command line of one process of --processes: the cases and their timing, no outputs."""
+    argv = ["--model", args.model, "--device", args.device, "--batch-size", str(args.batch_size),
+            "--resolution", str(args.resolution), "--iters", str(args.iters), "--rounds", str(args.rounds),
+            "--warmup", str(args.warmup), "--modes", args.modes, "--executions", args.executions,
+            "--layouts", args.layouts, "--num-classes", str(args.num_classes)]
+    argv += ["--opaque"] * args.opaque + ["--fuse"] * args.fuse
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def main(args, script: Path) -> None:
+    """Run the model benchmark for parsed ``args`` (see :func:`add_arguments`);
+    `script` is the entry point that the processes of ``--processes`` run."""
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+    processes = f", median of {args.processes} processes" if args.processes > 1 else ""
     print(f"torch {torch.__version__}, {where}, {args.model}, batch {args.batch_size}, "
-          f"{args.resolution}x{args.resolution}, median of {args.rounds} rounds x {args.iters} iterations, "
-          f"compile_lowering={config.compile_lowering}")
-    results = run(args.model, args.modes.split(","), args.layouts.split(","), args.executions.split(","),
-                  args.batch_size, args.resolution, args.iters, args.rounds, args.warmup, args.opaque,
-                  args.num_classes, fuse=args.fuse, device=args.device)
+          f"{args.resolution}x{args.resolution}, median of {args.rounds} rounds x {args.iters} iterations"
+          f"{processes}, compile_lowering={config.compile_lowering}")
+    if args.processes > 1:
+        tables = _processes.run(script, process_argv(args), args.processes)
+        results = [ModelResult(**row) for row in _processes.merge(tables, _processes.MODELS)]
+        print(table_header(args.opaque, args.fuse, spread=True))
+        for r in results:
+            print(table_row(r))
+    else:
+        results = run(args.model, args.modes.split(","), args.layouts.split(","), args.executions.split(","),
+                      args.batch_size, args.resolution, args.iters, args.rounds, args.warmup, args.opaque,
+                      args.num_classes, fuse=args.fuse, device=args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     if args.plot:
         plot(results, args.plot)
+    print(summary(results))

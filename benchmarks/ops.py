@@ -6,8 +6,8 @@
                                   [--shapes 32x64x56x56 ...] [--processes N]
     python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
                                   [--modes train,eval] [--executions eager,compile] [--layouts ...]
-                                  [--iters 3] [--rounds 5] [--opaque] [--fuse] [--threads N] [--json FILE]
-                                  [--plot FILE.png]
+                                  [--iters 3] [--rounds 5] [--opaque] [--fuse] [--threads N] [--processes N]
+                                  [--json FILE] [--plot FILE.png]
 
 With ``--model`` it times a whole ResNet (train step and eval, eager and
 compiled) with this library's BatchNorm against torch's, see
@@ -21,7 +21,7 @@ backward: read src and diff_dst, write diff_src; module forward+backward: both)
 divided by the copy bandwidth measured in the same run on tensors of the same
 size, on the same device. ``--processes N`` times the cases in N fresh
 processes and prints, per case, the medians over them and the range of the
-speedups (``benchmarks/op_processes.py``: a process's memory placement moves
+speedups (``benchmarks/processes.py``: a process's memory placement moves
 a case's time on a VM); ``--shapes`` times the given shapes.
 
 The baseline is ``aten.native_batch_norm`` / ``native_batch_norm_backward``
@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch_bn_grad  # noqa: E402
 from benchmarks import models as _model_bench  # noqa: E402
-from benchmarks import op_processes as _op_processes  # noqa: E402
+from benchmarks import processes as _processes  # noqa: E402
 from benchmarks import speedup_plot as _plot  # noqa: E402
 from torch_bn_grad import _compat  # noqa: E402
 
@@ -292,7 +292,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="these shapes instead of the quick (or --full) set, e.g. 32x64x56x56 4096x1024")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="time the cases in N fresh processes, one after the other, and report per case the "
-                             "median over them and the range of the speedups (see benchmarks/op_processes.py)")
+                             "median over them and the range of the speedups (see benchmarks/processes.py); "
+                             "with --model, the model table")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
     _model_bench.add_arguments(parser)
@@ -303,18 +304,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.processes < 1:
         parser.error(f"--processes: expected a count >= 1, got {args.processes}")
     if args.model:
-        if args.processes > 1 or args.shapes:
-            parser.error("--processes and --shapes are options of the operator table, not of --model")
+        if args.shapes:
+            parser.error("--shapes is an option of the operator table, not of --model")
         if args.threads:
             torch.set_num_threads(args.threads)
-        _model_bench.main(args)
+        _model_bench.main(args, Path(__file__).resolve())
         return
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_device(args.device))
     if args.processes > 1:
-        tables = _op_processes.run(Path(__file__).resolve(), _process_argv(args), args.processes)
-        results = [Result(**{**row, "shape": tuple(row["shape"])}) for row in _op_processes.merge(tables)]
+        tables = _processes.run(Path(__file__).resolve(), _process_argv(args), args.processes)
+        results = [Result(**{**row, "shape": tuple(row["shape"])}) for row in _processes.merge(tables, _processes.OPS)]
         print(f"median of {args.processes} processes")
         print(table_header(spread=True))
         for r in results:

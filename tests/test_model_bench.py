@@ -4,6 +4,7 @@ benchmark (``--model``) and the op bench's plot, tiny sizes; the entry's error w
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -97,12 +98,12 @@ def _row(shape, dtype, speedup, native_ms=1.0):
             "bound_pct": 50.0, "speedup_min": None, "speedup_max": None}
 
 
-def test_op_processes_merge_takes_medians_and_ranges():
-    processes = entry.load("op_processes")
+def test_processes_merge_takes_medians_and_ranges():
+    processes = entry.load("processes")
     tables = [[_row((8, 4), "float32", 0.8), _row((8, 4), "float16", 2.0)],
               [_row((8, 4), "float16", 1.0), _row((8, 4), "float32", 1.2, native_ms=3.0)],
               [_row((8, 4), "float32", 1.1), _row((8, 4), "float16", 3.0)]]
-    first, second = processes.merge(tables)
+    first, second = processes.merge(tables, processes.OPS)
     assert (first["dtype"], second["dtype"]) == ("float32", "float16")  # the first table's order
     assert first["speedup"] == 1.1 and (first["speedup_min"], first["speedup_max"]) == (0.8, 1.2)
     assert first["native_ms"] == 1.0 and second["speedup"] == 2.0
@@ -110,6 +111,42 @@ def test_op_processes_merge_takes_medians_and_ranges():
         processes.merge([tables[0], tables[1][:1]])
     with pytest.raises(ValueError, match="no tables"):
         processes.merge([])
+
+
+def _model_row(mode, speedup, fused=None):
+    row = asdict(_model_bench.ModelResult("resnet18", mode, "channels_last", "eager", 2, 32, 10.0, 10.0 / speedup,
+                                          speedup))
+    if fused is not None:
+        row.update(fused_ms=10.0 / fused, fused_speedup=fused)
+    return row
+
+
+def test_processes_merge_model_rows_keeps_untimed_variants_none():
+    processes = entry.load("processes")
+    tables = [[_model_row("train", 0.9, 1.2), _model_row("eval", 1.0)],
+              [_model_row("eval", 1.4), _model_row("train", 1.1, 1.0)],
+              [_model_row("train", 1.0, 1.1), _model_row("eval", 1.2)]]
+    train, evaluation = processes.merge(tables, processes.MODELS)
+    assert (train["mode"], train["speedup"], train["speedup_min"], train["speedup_max"]) == ("train", 1.0, 0.9, 1.1)
+    assert (train["fused_speedup"], train["fused_speedup_min"], train["fused_speedup_max"]) == (1.1, 1.0, 1.2)
+    assert train["opaque_speedup"] is None and train["opaque_speedup_min"] is None
+    assert evaluation["fused_ms"] is None and evaluation["speedup"] == 1.2
+    line = _model_bench.summary([_model_bench.ModelResult(**row) for row in (train, evaluation)])
+    assert line == ("2 cases, native / variant; ours: median 1.100x, worst train channels_last eager 1.000x; "
+                    "fused: median 1.100x, worst train channels_last eager 1.100x")
+
+
+def test_model_bench_in_processes_prints_ranges(tmp_path, capsys):
+    path = tmp_path / "models.json"
+    bench.main(["--model", "resnet18", "--batch-size", "2", "--resolution", "32", "--rounds", "1", "--iters", "1",
+                "--warmup", "1", "--executions", "eager", "--modes", "eval", "--layouts", "contiguous", "--fuse",
+                "--processes", "2", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "median of 2 processes" in out and "process 2/2 done" in out and "fused: median" in out
+    (row,) = json.loads(path.read_text())
+    assert (row["model"], row["mode"], row["layout"], row["execution"]) == ("resnet18", "eval", "contiguous", "eager")
+    for ratio in ("speedup", "fused_speedup"):
+        assert row[f"{ratio}_min"] <= row[ratio] <= row[f"{ratio}_max"]
 
 
 def test_op_bench_summary_names_the_worst_case():
@@ -141,7 +178,7 @@ def test_op_bench_shapes_in_processes_table_and_json(tmp_path, capsys):
     (["--shapes", "32xfoo"], "expected a shape like 32x64x56x56"),
     (["--shapes", "7"], "expected a shape like 32x64x56x56"),
     (["--processes", "0"], "--processes: expected a count >= 1, got 0"),
-    (["--model", "resnet18", "--processes", "2"], "not of --model"),
+    (["--model", "resnet18", "--shapes", "8x4"], "not of --model"),
 ])
 def test_op_bench_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
