@@ -3,7 +3,10 @@
 one process) run in a fresh subprocess per configuration:
 
 * allocator: glibc; glibc with ``THP_MEM_ALLOC_ENABLE=1`` (torch's CPU
-  allocator asks for huge pages); jemalloc or tcmalloc preloaded
+  allocator asks for huge pages); glibc told to keep what it maps
+  (``glibc-kept``: ``GLIBC_KEEPS_MEMORY``, no large block a fresh mapping and
+  none returned to the system, so no output faults its pages in again on
+  every step); jemalloc or tcmalloc preloaded
   (``LD_PRELOAD``); an allocator whose library is missing is skipped, with a note;
 * our CPU output cache: on (the default) or off (``TORCH_BN_GRAD_OUTPUT_CACHE_MB=0``).
 
@@ -32,16 +35,21 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 LIB = Path("/usr/lib/x86_64-linux-gnu")
+# glibc's tunables (mallopt's, read at start-up) that keep every block in its heap
+# (never a fresh mapping) and never hand memory back to the system.
+GLIBC_KEEPS_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "8000000000",
+                      "MALLOC_TOP_PAD_": "536870912"}
 # name -> (environment added, library that must exist or None)
 ALLOCATORS: dict[str, tuple[dict[str, str], Optional[Path]]] = {
     "glibc": ({}, None),
     "thp": ({"THP_MEM_ALLOC_ENABLE": "1"}, None),
+    "glibc-kept": (GLIBC_KEEPS_MEMORY, None),
     "jemalloc": ({"LD_PRELOAD": str(LIB / "libjemalloc.so.2")}, LIB / "libjemalloc.so.2"),
     "tcmalloc": ({"LD_PRELOAD": str(LIB / "libtcmalloc_minimal.so.4")}, LIB / "libtcmalloc_minimal.so.4"),
 }
 CACHE = {"on": {}, "off": {"TORCH_BN_GRAD_OUTPUT_CACHE_MB": "0"}}
 # Every variable a configuration sets, cleared first so that the caller's environment does not leak in.
-_CONTROLLED = ("LD_PRELOAD", "THP_MEM_ALLOC_ENABLE", "TORCH_BN_GRAD_OUTPUT_CACHE_MB")
+_CONTROLLED = ("LD_PRELOAD", "THP_MEM_ALLOC_ENABLE", "TORCH_BN_GRAD_OUTPUT_CACHE_MB", *GLIBC_KEEPS_MEMORY)
 _STEP = re.compile(r"median training step .*: torch BatchNorm ([0-9.]+) ms, torch_bn_grad ([0-9.]+) ms")
 
 
@@ -115,7 +123,7 @@ def run(allocators: list[str], repeats: int, train_args: list[str], log=print) -
     for repeat in range(repeats):
         for row in rows:
             row.runs.append(run_once(row.allocator, row.cache, train_args))
-            log(f"  run {repeat + 1}/{repeats} {row.allocator:>8} cache {row.cache:>3}: "
+            log(f"  run {repeat + 1}/{repeats} {row.allocator:>10} cache {row.cache:>3}: "
                 f"native {row.runs[-1][0]:.2f} ms, ours {row.runs[-1][1]:.2f} ms")
     for row in rows:
         row.native_ms = statistics.median(n for n, _ in row.runs)
@@ -125,8 +133,8 @@ def run(allocators: list[str], repeats: int, train_args: list[str], log=print) -
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'allocator':>9} {'cache':>5} {'native ms':>10} {'ours ms':>9} {'native/ours':>11}"]
-    lines += [f"{r.allocator:>9} {r.cache:>5} {r.native_ms:>10.2f} {r.ours_ms:>9.2f} {r.ratio:>10.3f}x" for r in rows]
+    lines = [f"{'allocator':>10} {'cache':>5} {'native ms':>10} {'ours ms':>9} {'native/ours':>11}"]
+    lines += [f"{r.allocator:>10} {r.cache:>5} {r.native_ms:>10.2f} {r.ours_ms:>9.2f} {r.ratio:>10.3f}x" for r in rows]
     return "\n".join(lines)
 
 

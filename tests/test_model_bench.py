@@ -83,6 +83,11 @@ def test_allocator_bench_environment_and_parse(monkeypatch):
     assert env["LD_PRELOAD"].endswith("libjemalloc.so.2") and env["TORCH_BN_GRAD_OUTPUT_CACHE_MB"] == "0"
     env = allocators.environment("thp", "on")
     assert env["THP_MEM_ALLOC_ENABLE"] == "1" and "LD_PRELOAD" not in env and "TORCH_BN_GRAD_OUTPUT_CACHE_MB" not in env
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "0")
+    env = allocators.environment("glibc", "on")
+    assert not any(name in env for name in allocators.GLIBC_KEEPS_MEMORY)  # the caller's do not leak in
+    env = allocators.environment("glibc-kept", "off")
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "4000000000" and env["MALLOC_TOP_PAD_"] == "536870912"
     line = ("median training step (batch 128, 48x48, channels_last): torch BatchNorm 63.57 ms, "
             "torch_bn_grad 63.35 ms, speedup 1.00x")
     assert allocators.parse(f"epoch 1: ...\n{line}\n") == (63.57, 63.35)
