@@ -177,30 +177,38 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
     return results
 
 
+# Widths of the ratio columns (ours, opaque, fused); with --processes each
+# column widens by _RANGE_WIDTH for the range, " (0.971-1.253)".
+_RATIO_WIDTHS = (11, 13, 12)
+_RANGE_WIDTH = 14
+
+
 def table_header(opaque: bool, fuse: bool, spread: bool = False) -> str:
     """The table's column names; `spread`: each ratio with its range over processes."""
-    width = 24 if spread else 11
+    ours, opaque_w, fused = (w + (_RANGE_WIDTH if spread else 0) for w in _RATIO_WIDTHS)
     header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
-              f"{'native/ours':>{width}}")
+              f"{'native/ours':>{ours}}")
     if opaque:
-        header += f" {'opaque ms':>10} {'native/opaque':>{width + 2}}"
+        header += f" {'opaque ms':>10} {'native/opaque':>{opaque_w}}"
     if fuse:
-        header += f" {'fused ms':>9} {'native/fused':>{width + 1}}"
+        header += f" {'fused ms':>9} {'native/fused':>{fused}}"
     return header
 
 
 def table_row(r: ModelResult) -> str:
     """One case's row; each ratio's range where it has one (--processes)."""
     def ratio(value: float, low: Optional[float], high: Optional[float], width: int) -> str:
-        text = f"{value:.3f}x" + (f" ({low:.3f}-{high:.3f})" if low is not None else "")
-        return f"{text:>{width + (13 if low is not None else 0)}}"
+        if low is None:
+            return f"{value:>{width - 1}.3f}x"
+        return f"{f'{value:.3f}x ({low:.3f}-{high:.3f})':>{width + _RANGE_WIDTH}}"
 
+    ours, opaque, fused = _RATIO_WIDTHS
     line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
-            f"{r.ours_ms:>9.2f} {ratio(r.speedup, r.speedup_min, r.speedup_max, 11)}")
+            f"{r.ours_ms:>9.2f} {ratio(r.speedup, r.speedup_min, r.speedup_max, ours)}")
     if r.opaque_ms is not None:
-        line += f" {r.opaque_ms:>10.2f} {ratio(r.opaque_speedup, r.opaque_speedup_min, r.opaque_speedup_max, 13)}"
+        line += f" {r.opaque_ms:>10.2f} {ratio(r.opaque_speedup, r.opaque_speedup_min, r.opaque_speedup_max, opaque)}"
     if r.fused_ms is not None:
-        line += f" {r.fused_ms:>9.2f} {ratio(r.fused_speedup, r.fused_speedup_min, r.fused_speedup_max, 12)}"
+        line += f" {r.fused_ms:>9.2f} {ratio(r.fused_speedup, r.fused_speedup_min, r.fused_speedup_max, fused)}"
     return line
 
 
