@@ -34,6 +34,7 @@ class Table:
     speedups: tuple[str, ...]
 
     def case(self, row: dict) -> tuple:
+        """The row's key values (JSON's lists as tuples)."""
         return tuple(tuple(v) if isinstance(v, list) else v for v in (row[k] for k in self.key))
 
 
@@ -63,7 +64,7 @@ def run(script: Path, argv: list[str], processes: int, log: Callable[[str], obje
     return tables
 
 
-def merge(tables: list[list[dict]], kind: Table = OPS) -> list[dict]:
+def merge(tables: list[list[dict]], kind: Table) -> list[dict]:
     """One row per case, in the first table's order: the median of each time and
     rate, the median of each speedup and its range. Every table must hold the
     same cases."""

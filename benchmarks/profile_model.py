@@ -66,22 +66,15 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     if args.breakdown:
-        kinds: dict[str, dict[str, float]] = {name: dict.fromkeys(step_breakdown.KINDS, 0.0) for name in models}
-        for name in list(models) * 2:
-            prof = _profile(models[name], x, target, args.steps, [ProfilerActivity.CPU], lambda: None)
-            times = step_breakdown.by_kind((e.key, e.self_cpu_time_total) for e in prof.key_averages())
-            for kind, us in times.items():
-                kinds[name][kind] += us / (2 * args.steps)
+        kinds = _interleaved_per_step(
+            models, x, target, args.steps, False,
+            lambda prof: step_breakdown.by_kind((e.key, e.self_cpu_time_total) for e in prof.key_averages()))
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
               f"self time per training step (CPU, ms), by kind of operator")
         print("\n".join(step_breakdown.report(kinds)))
         return
     if args.by_shape:
-        shapes: dict[str, dict] = {"native": {}, "ours": {}}
-        for name in ("native", "ours", "native", "ours"):
-            prof = _profile(models[name], x, target, args.steps, [ProfilerActivity.CPU], lambda: None, shapes=True)
-            for key, us in _batch_norm_by_shape(prof).items():
-                shapes[name][key] = shapes[name].get(key, 0.0) + us / (2 * args.steps)
+        shapes = _interleaved_per_step(models, x, target, args.steps, True, _batch_norm_by_shape)
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
               f"batch norm self time per training step (CPU, us), by input shape")
         for key in sorted(shapes["native"]):
@@ -112,6 +105,18 @@ def _batch_norm_by_shape(prof) -> dict[tuple[str, str], float]:
         key = ("backward" if event.key in _BACKWARD else "forward", "x".join(map(str, event.input_shapes[0])))
         times[key] = times.get(key, 0.0) + event.self_cpu_time_total
     return times
+
+
+def _interleaved_per_step(models: dict, x, target, steps: int, shapes: bool, times_of) -> dict[str, dict]:
+    """Per model, `times_of(profile)` (key -> self CPU us) per training step,
+    averaged over two CPU profiles of each model taken in turn (all models,
+    then all again), so that a drift of the machine falls on every model."""
+    per_step: dict[str, dict] = {name: {} for name in models}
+    for name in list(models) * 2:
+        prof = _profile(models[name], x, target, steps, [ProfilerActivity.CPU], lambda: None, shapes=shapes)
+        for key, us in times_of(prof).items():
+            per_step[name][key] = per_step[name].get(key, 0.0) + us / (2 * steps)
+    return per_step
 
 
 def _profile(model, x, target, steps: int, activities, sync, shapes: bool = False):

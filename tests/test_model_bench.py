@@ -113,9 +113,9 @@ def test_processes_merge_takes_medians_and_ranges():
     assert first["speedup"] == 1.1 and (first["speedup_min"], first["speedup_max"]) == (0.8, 1.2)
     assert first["native_ms"] == 1.0 and second["speedup"] == 2.0
     with pytest.raises(ValueError, match="different cases"):
-        processes.merge([tables[0], tables[1][:1]])
+        processes.merge([tables[0], tables[1][:1]], processes.OPS)
     with pytest.raises(ValueError, match="no tables"):
-        processes.merge([])
+        processes.merge([], processes.OPS)
 
 
 def _model_row(mode, speedup, fused=None):
