@@ -83,7 +83,7 @@ def _opaque_inductor(gm, example_inputs):
         config.compile_lowering = previous
 
 
-def _raise_recompile_limits() -> None:
+def raise_recompile_limits() -> None:
     """Every variant recompiles the same model code; keep dynamo from giving up on it."""
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
@@ -164,7 +164,7 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
         warmup: int, opaque: bool, num_classes: int = 1000, log=print, fuse: bool = False,
         device: str = "cpu") -> list[ModelResult]:
     """Every case; prints a row as each finishes."""
-    _raise_recompile_limits()
+    raise_recompile_limits()
     log(table_header(opaque, fuse))
     results = []
     for execution in executions:

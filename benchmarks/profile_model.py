@@ -4,6 +4,7 @@ and fused (``convert_batchnorm(fuse=True)``), one after the other in one process
 
     python benchmarks/profile_model.py [--model resnet50] [--device cuda] [--layout channels_last]
                                        [--batch-size 64] [--resolution 224] [--steps 3] [--rows 30]
+                                       [--by-shape | --breakdown] [--compile]
 
 The "Self CUDA time total" (or CPU total on the CPU) line of each table is the
 sum over ``--steps`` steps; the wall time of a step is the model benchmark's
@@ -18,6 +19,11 @@ operator (convolution, batch norm, activation, addition, other) and Amdahl's
 bound on the speedup of ours and fused, from native's shares
 (``benchmarks/step_breakdown.py``; CPU, profiles interleaved and averaged as
 for ``--by-shape``).
+
+``--compile`` profiles the models compiled with ``torch.compile`` (the
+default inductor backend), inductor's CPU kernels named by their fused
+operators: a kernel whose name holds ``batch_norm`` counts as batch norm,
+whatever activation or addition inductor fused into it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import torch_bn_grad
 if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import resnets, step_breakdown
+from benchmarks.models import raise_recompile_limits
+from torch_bn_grad import _compat
 
 
 def main() -> None:
@@ -49,11 +57,16 @@ def main() -> None:
     parser.add_argument("--by-shape", action="store_true", help="batch norm time per layer shape, native vs ours")
     parser.add_argument("--breakdown", action="store_true",
                         help="self time per step by kind of operator, and the speedup bound of ours and fused")
+    parser.add_argument("--compile", action="store_true",
+                        help="profile the models compiled with torch.compile (inductor), CPU kernels named")
     args = parser.parse_args()
     if args.by_shape and args.breakdown:
         parser.error("--by-shape and --breakdown: choose one")
-    if (args.by_shape or args.breakdown) and args.device != "cpu":
-        parser.error(f"--by-shape and --breakdown profile the CPU: expected --device cpu, got {args.device}")
+    if (args.by_shape or args.breakdown or args.compile) and args.device != "cpu":
+        parser.error(f"--by-shape, --breakdown and --compile profile the CPU: expected --device cpu, got {args.device}")
+    if args.by_shape and args.compile:
+        parser.error("--by-shape times this library's and torch's batch norm operators, which a compiled "
+                     "model does not call: use --breakdown --compile")
     cuda = args.device == "cuda"
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
@@ -61,20 +74,25 @@ def main() -> None:
     models = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native))}
     if not args.by_shape:
         models["fused"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)
+    runs = models
+    if args.compile:
+        _compat.inductor_kernel_profile()
+        raise_recompile_limits()
+        runs = {name: torch.compile(model) for name, model in models.items()}
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution).to(args.device, memory_format=fmt)
     target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     if args.breakdown:
         kinds = _interleaved_per_step(
-            models, x, target, args.steps, False,
+            models, runs, x, target, args.steps, False,
             lambda prof: step_breakdown.by_kind((e.key, e.self_cpu_time_total) for e in prof.key_averages()))
-        print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
-              f"self time per training step (CPU, ms), by kind of operator")
+        print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}"
+              f"{', compiled' if args.compile else ''}, self time per training step (CPU, ms), by kind of operator")
         print("\n".join(step_breakdown.report(kinds)))
         return
     if args.by_shape:
-        shapes = _interleaved_per_step(models, x, target, args.steps, True, _batch_norm_by_shape)
+        shapes = _interleaved_per_step(models, runs, x, target, args.steps, True, _batch_norm_by_shape)
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
               f"batch norm self time per training step (CPU, us), by input shape")
         for key in sorted(shapes["native"]):
@@ -83,9 +101,9 @@ def main() -> None:
         print(f"total     native {sum(shapes['native'].values()):9.1f}  ours {sum(shapes['ours'].values()):9.1f}")
         return
     for name, model in models.items():
-        prof = _profile(model, x, target, args.steps, activities, sync)
+        prof = _profile(model, runs[name], x, target, args.steps, activities, sync)
         print(f"===== {name}: {args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
-              f"{args.steps} training steps on {args.device}")
+              f"{args.steps} {'compiled ' if args.compile else ''}training steps on {args.device}")
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=110))
 
@@ -107,25 +125,29 @@ def _batch_norm_by_shape(prof) -> dict[tuple[str, str], float]:
     return times
 
 
-def _interleaved_per_step(models: dict, x, target, steps: int, shapes: bool, times_of) -> dict[str, dict]:
+def _interleaved_per_step(models: dict, runs: dict, x, target, steps: int, shapes: bool,
+                          times_of) -> dict[str, dict]:
     """Per model, `times_of(profile)` (key -> self CPU us) per training step,
     averaged over two CPU profiles of each model taken in turn (all models,
-    then all again), so that a drift of the machine falls on every model."""
+    then all again), so that a drift of the machine falls on every model.
+    `runs[name]` is what runs `models[name]` (the model itself, or compiled)."""
     per_step: dict[str, dict] = {name: {} for name in models}
     for name in list(models) * 2:
-        prof = _profile(models[name], x, target, steps, [ProfilerActivity.CPU], lambda: None, shapes=shapes)
+        prof = _profile(models[name], runs[name], x, target, steps, [ProfilerActivity.CPU], lambda: None,
+                        shapes=shapes)
         for key, us in times_of(prof).items():
             per_step[name][key] = per_step[name].get(key, 0.0) + us / (2 * steps)
     return per_step
 
 
-def _profile(model, x, target, steps: int, activities, sync, shapes: bool = False):
-    """A profile of `steps` training steps of `model`, after as many unprofiled ones."""
+def _profile(model, run, x, target, steps: int, activities, sync, shapes: bool = False):
+    """A profile of `steps` training steps of `model`, run by `run` (the model, or
+    compiled), after as many unprofiled ones (the first compiles)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), target).backward()
+        torch.nn.functional.cross_entropy(run(x), target).backward()
         optimizer.step()
 
     for _ in range(steps):

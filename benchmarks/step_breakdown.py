@@ -8,7 +8,10 @@ step would take the rest, so
 ``convert_batchnorm`` replaces batch norm; ``convert_batchnorm(fuse=True)``
 replaces batch norm, the activations and the residual additions. The
 "addition" kind counts every ``aten::add``/``add_``, the optimizer's update
-and autograd's gradient sums included, so the fused bound is generous.
+and autograd's gradient sums included, so the fused bound is generous. In a
+compiled step (``--compile``) inductor's kernels count by their names: batch
+norm where one holds it (with whatever activation or addition it fused),
+activation where one holds an activation, else other.
 Used by ``benchmarks/profile_model.py --breakdown``.
 """
 
@@ -22,13 +25,20 @@ REPLACED = {"ours": ("batch norm",), "fused": ("batch norm", "activation", "addi
 
 _ACTIVATIONS = ("relu", "threshold_backward", "clamp_min", "silu", "hardswish", "sigmoid")
 _ADDITIONS = ("aten::add", "aten::add_", "AddBackward0")
+# Inductor's CPU kernels, as torch.profiler names them (config.cpp.enable_kernel_profile).
+_INDUCTOR_KERNEL = "cpp_fused_"
 
 
 def kind_of(name: str) -> str:
-    """The kind of a profiler event (an operator or an autograd node) by its name."""
+    """The kind of a profiler event (an operator, an autograd node, or a kernel
+    inductor generated and named by the operators it fused) by its name."""
     lower = name.lower()
     if name.startswith("torch_bn_grad::") or "batch_norm" in lower or "batchnorm" in lower:
         return "batch norm"
+    if _INDUCTOR_KERNEL in lower:
+        # Never the convolution itself (an external call): a name holding
+        # convolution_backward is the elementwise work inductor fused around it.
+        return "activation" if any(a in lower for a in _ACTIVATIONS) else "other"
     if "conv" in lower:
         return "convolution"
     if any(a in lower for a in _ACTIVATIONS):

@@ -58,16 +58,20 @@ def test_leaky_resnet_fuses_with_memory_saving():
     torch.testing.assert_close(fused.eval()(x), model.eval()(x))
 
 
-def test_profile_model_tables_the_three_models():
-    """``benchmarks/profile_model.py`` profiles native, ours and fused, one table each."""
+def _profile_model(*args: str, check: bool = True):
     import subprocess
     import sys
 
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "profile_model.py"), "--device", "cpu", "--model", "resnet18",
-         "--batch-size", "2", "--resolution", "32", "--steps", "1", "--rows", "3"],
-        capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-    ).stdout
+         "--batch-size", "2", "--resolution", "32", "--steps", "1", *args],
+        capture_output=True, text=True, check=check, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    )
+
+
+def test_profile_model_tables_the_three_models():
+    """``benchmarks/profile_model.py`` profiles native, ours and fused, one table each."""
+    out = _profile_model("--rows", "3").stdout
     headers = [line.split(":")[0] for line in out.splitlines() if line.startswith("=====")]
     assert headers == ["===== native", "===== ours", "===== fused"]
     assert out.count("Self CPU time total") == 3
@@ -76,14 +80,7 @@ def test_profile_model_tables_the_three_models():
 def test_profile_model_by_shape_pairs_every_layer_shape():
     """``--by-shape``: one row per (direction, input shape) of the model's batch
     norm layers, native's time against ours, and the totals."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_model.py"), "--device", "cpu", "--model", "resnet18",
-         "--batch-size", "2", "--resolution", "32", "--steps", "1", "--by-shape"],
-        capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-    ).stdout
+    out = _profile_model("--by-shape").stdout
     rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward"))]
     # ResNet-18 at 32x32, batch 2: batch norm inputs of 64 channels at 8x8 down to 512 at 1x1.
     shapes = {(r[0], r[1]) for r in rows}
@@ -104,6 +101,13 @@ def test_step_breakdown_kinds_and_bound():
     assert sb.kind_of("aten::convolution_backward") == sb.kind_of("aten::mkldnn_convolution") == "convolution"
     assert sb.kind_of("aten::threshold_backward") == sb.kind_of("aten::clamp_min_") == "activation"
     assert sb.kind_of("aten::add_") == "addition" and sb.kind_of("aten::addmm") == "other"
+    # inductor's kernels (compiled steps), by the operators they fused
+    assert sb.kind_of("graph_0_cpp_fused_add_convolution_backward_native_batch_norm_backward_threshold_b_3") \
+        == "batch norm"
+    assert sb.kind_of("graph_1_cpp_fused_add_batch_norm_forward_copy__lerp_mul_relu_7") == "batch norm"
+    assert sb.kind_of("graph_1_cpp_fused_add_threshold_backward_7") == "activation"
+    assert sb.kind_of("graph_0_cpp_fused_convolution_backward_sum_2") == "other"
+    assert sb.kind_of("graph_0_cpp_fused_add_copy__0") == "other"
     times = sb.by_kind([("aten::mkldnn_convolution", 80.0), ("aten::native_batch_norm", 10.0),
                         ("aten::relu_", 4.0), ("aten::add_", 1.0), ("aten::mm", 5.0)])
     assert times == {"convolution": 80.0, "batch norm": 10.0, "activation": 4.0, "addition": 1.0, "other": 5.0}
@@ -116,17 +120,27 @@ def test_step_breakdown_kinds_and_bound():
 
 def test_profile_model_breakdown_tables_the_kinds():
     """``--breakdown``: a row per kind of operator, a column per model, and the bounds."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "profile_model.py"), "--device", "cpu", "--model", "resnet18",
-         "--batch-size", "2", "--resolution", "32", "--steps", "1", "--breakdown"],
-        capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-    ).stdout.splitlines()
+    out = _profile_model("--breakdown").stdout.splitlines()
     header = out.index(next(line for line in out if line.split() == ["native", "ours", "fused"]))
     rows = {line[:12].strip(): [float(v) for v in line[12:].split()] for line in out[header + 1:header + 7]}
     assert list(rows) == ["convolution", "batch norm", "activation", "addition", "other", "total"]
     assert rows["activation"][2] == 0.0 and rows["convolution"][0] > 0
     assert all(abs(sum(rows[k][i] for k in list(rows)[:5]) - rows["total"][i]) < 0.2 for i in range(3))
     assert out[-2].startswith("ours: replaces batch norm:") and out[-1].startswith("fused: replaces batch norm,")
+
+
+def test_profile_model_compile_refuses_by_shape():
+    """``--compile --by-shape``: a compiled model calls neither batch norm operator; said before compiling."""
+    done = _profile_model("--by-shape", "--compile", check=False)
+    assert done.returncode == 2 and "use --breakdown --compile" in done.stderr
+
+
+@pytest.mark.slow  # compiles three ResNet-18s: about 2 minutes on 2 cores
+def test_profile_model_breakdown_of_compiled_models():
+    """``--breakdown --compile``: inductor's kernels are named, so native's fused
+    batch norm kernels count as batch norm, not as other."""
+    out = _profile_model("--breakdown", "--compile").stdout.splitlines()
+    assert any(line.endswith("compiled, self time per training step (CPU, ms), by kind of operator") for line in out)
+    header = out.index(next(line for line in out if line.split() == ["native", "ours", "fused"]))
+    rows = {line[:12].strip(): [float(v) for v in line[12:].split()] for line in out[header + 1:header + 7]}
+    assert rows["batch norm"][0] > 0 and rows["batch norm"][1] > 0 and rows["convolution"][0] > 0

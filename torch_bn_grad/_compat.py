@@ -255,6 +255,16 @@ def inductor_compile_fx() -> Callable:
     return _lookup("torch._inductor.compile_fx", "compile_fx")
 
 
+def inductor_kernel_profile() -> None:
+    """Names inductor's CPU kernels in torch.profiler's tables (``config.cpp.enable_kernel_profile``,
+    set before compiling); without it a compiled step's fused kernels are anonymous
+    (``benchmarks/profile_model.py --breakdown --compile``)."""
+    cpp = getattr(importlib.import_module("torch._inductor.config"), "cpp", None)
+    if cpp is None or not hasattr(cpp, "enable_kernel_profile"):
+        raise _inductor_lacks("cpp.enable_kernel_profile")
+    cpp.enable_kernel_profile = True
+
+
 def aoti_load_package() -> Callable:
     """``torch._inductor.aoti_load_package`` (AOTInductor packages, artifacts.py)."""
     return _lookup("torch._inductor", "aoti_load_package")
