@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <limits>
-#include <vector>
 
 #include "batch_norm_args.h"
+#include "cpu/aligned_array.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/output_cache.h"
 
@@ -49,8 +49,8 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
   }
   // Per-channel float64 vectors: gamma, beta, mean, variance.
   const int64_t C = plan.channels;
-  std::vector<double> host(4 * C);
-  double *gamma_d = host.data(), *beta_d = gamma_d + C;
+  const auto host = aligned_array_for_overwrite<double>(4 * C);
+  double *gamma_d = host.get(), *beta_d = gamma_d + C;
   load_kernel_channels(gamma, plan, 1, src, gamma_d);
   load_kernel_channels(beta, plan, 0, src, beta_d);
   a.gamma = gamma_d;
@@ -117,8 +117,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   a.extent = plan.extent();
   // Per-channel float64 vectors: mean, variance, gamma, beta, diff_gamma, diff_beta.
   const int64_t C = plan.channels;
-  std::vector<double> host(6 * C, 0.0);
-  double* const mean_d = host.data();
+  const auto host = aligned_array<double>(6 * C, 0.0);
+  double* const mean_d = host.get();
   load_kernel_channels(mean, plan, 0, data, mean_d);
   load_kernel_channels(variance, plan, 0, data, mean_d + C);
   load_kernel_channels(gamma, plan, 1, data, mean_d + 2 * C);

@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "batch_norm_args.h"
+#include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
 
@@ -36,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
   // Per-channel float64 vectors: gamma, beta, mean, variance; each is set
   // before it is read, so they are left uninitialized (zeroing them was a
   // tenth of a 2x4096 forward's kernel time).
-  const auto host = std::make_unique_for_overwrite<double[]>(4 * C);
+  const auto host = aligned_array_for_overwrite<double>(4 * C);
   double *gamma_d = host.get(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C;
   load_kernel_channels(gamma, plan, 1, src, gamma_d);
   load_kernel_channels(beta, plan, 0, src, beta_d);
@@ -76,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   // The kernel writes every channel's sums; zeroed only where it does not run
   // (an empty src's parameter gradients are zeros).
   const bool runs = src.numel() > 0 && (output_mask[0] || output_mask[1] || output_mask[2]);
-  const auto host = runs ? std::make_unique_for_overwrite<double[]>(5 * C) : std::make_unique<double[]>(5 * C);
+  const auto host = runs ? aligned_array_for_overwrite<double>(5 * C) : aligned_array<double>(5 * C, 0.0);
   double *mean_d = host.get(), *var_d = mean_d + C, *gamma_d = var_d + C, *diff_gamma_d = gamma_d + C,
          *diff_beta_d = diff_gamma_d + C;
   KernelOutput out;

@@ -9,10 +9,10 @@
 
 #include <limits>
 #include <tuple>
-#include <vector>
 
 #include "batch_norm_args.h"
 #include "batch_norm_math.h"
+#include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
 
@@ -53,8 +53,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
   const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
   const int64_t C = plan.channels;
   // Per-channel float64 vectors: gamma, beta, mean, variance (m2 until finished), scale, bias.
-  std::vector<double> host(6 * C, std::numeric_limits<double>::quiet_NaN());
-  double *gamma_d = host.data(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C,
+  const auto host = aligned_array<double>(6 * C, std::numeric_limits<double>::quiet_NaN());
+  double *gamma_d = host.get(), *beta_d = gamma_d + C, *mean_d = beta_d + C, *var_d = mean_d + C,
          *scale_d = var_d + C, *bias_d = scale_d + C;
   load_kernel_channels(gamma, plan, 1, src, gamma_d);
   load_kernel_channels(beta, plan, 0, src, beta_d);
@@ -97,11 +97,11 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
   // The coefficients (math::backward_coefficients) are derived by the kernels.
   const at::Tensor mean_c = mean.contiguous(), var_c = variance.contiguous(), count_c = count.contiguous(),
                    sums_c = grad_sums.contiguous();
-  std::vector<double> gamma_d(plan.channels);
-  load_kernel_channels(gamma, plan, 1, src, gamma_d.data());
+  const auto gamma_d = aligned_array_for_overwrite<double>(plan.channels);
+  load_kernel_channels(gamma, plan, 1, src, gamma_d.get());
   kernel_table().grad_input(to_kernel_layout(src, plan), to_kernel_layout(diff_dst, plan), out.buffer,
                             plan.extent(), mean_c.const_data_ptr<double>(), var_c.const_data_ptr<double>(),
-                            gamma_d.data(), count_c.const_data_ptr<double>(), sums_c.const_data_ptr<double>(),
+                            gamma_d.get(), count_c.const_data_ptr<double>(), sums_c.const_data_ptr<double>(),
                             epsilon);
   finish_kernel_output(out, plan);
   return out.result;

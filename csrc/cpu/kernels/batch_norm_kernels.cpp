@@ -74,7 +74,7 @@ void grad_sums_impl(const T* x, const T* dy, const Extent& e, const double* mean
                     double* sum_dy_xc) {
   using acc_t = at::opmath_type<T>;
   const Reduction red = reduction_for<T>(Blocks(e), e);
-  const auto centre = std::make_unique_for_overwrite<acc_t[]>(e.channels);
+  const auto centre = aligned_array_for_overwrite<acc_t>(e.channels);
   for (int64_t k = 0; k < e.channels; ++k) centre[k] = static_cast<acc_t>(mean[k]);
   Partials<GradSums> parts(e.channels, red.blocks.per_channel());
   for_each_reduction_block(red, [&](const Block& blk) { grad_sums_block(red, x, dy, blk, centre.get(), parts); });

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "batch_norm_math.h"
+#include "cpu/aligned_array.h"
 #include "cpu/cache_geometry.h"
 #include "extent.h"
 
@@ -338,11 +339,11 @@ struct Partials {
   static constexpr int kFields = static_cast<int>(sizeof(S) / sizeof(double));
   static_assert(std::is_trivially_copyable_v<S> && sizeof(S) == kFields * sizeof(double));
   int64_t channels, per;
-  std::unique_ptr<double[]> data;  // left uninitialized: every block sets its slots
+  AlignedArray<double> data;  // left uninitialized: every block sets its slots
   Partials(int64_t channel_count, int64_t per_channel)
       : channels(channel_count),
         per(per_channel),
-        data(std::make_unique_for_overwrite<double[]>(kFields * channel_count * per_channel)) {}
+        data(aligned_array_for_overwrite<double>(kFields * channel_count * per_channel)) {}
   void set(int64_t channel, int64_t slot, const S& s) {
     double fields[kFields];
     std::memcpy(fields, &s, sizeof s);
