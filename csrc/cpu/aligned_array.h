@@ -2,7 +2,7 @@
 // vector at a time (the elementwise pass reloads its coefficients every row);
 // with malloc's 16-byte alignment three AVX512 loads in four spanned two
 // lines, and on data coming from memory the channels_last elementwise pass
-// took 1.1x-1.3x native's time.
+// took 1.11x-1.15x native's time (0.96x-1.08x on lines).
 #pragma once
 
 #include <algorithm>

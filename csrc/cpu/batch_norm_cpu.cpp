@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <memory>
 
 #include "batch_norm_args.h"
 #include "cpu/aligned_array.h"
