@@ -118,11 +118,16 @@ def test_step_breakdown_kinds_and_bound():
     assert lines[-2].endswith("(profiled: 1.053x)") and "profiled" not in lines[-1]
 
 
+def _breakdown_rows(out: list[str]) -> dict[str, list[float]]:
+    """--breakdown's table: kind -> times of native, ours, fused (the total row last)."""
+    header = out.index(next(line for line in out if line.split() == ["native", "ours", "fused"]))
+    return {line[:12].strip(): [float(v) for v in line[12:].split()] for line in out[header + 1:header + 7]}
+
+
 def test_profile_model_breakdown_tables_the_kinds():
     """``--breakdown``: a row per kind of operator, a column per model, and the bounds."""
     out = _profile_model("--breakdown").stdout.splitlines()
-    header = out.index(next(line for line in out if line.split() == ["native", "ours", "fused"]))
-    rows = {line[:12].strip(): [float(v) for v in line[12:].split()] for line in out[header + 1:header + 7]}
+    rows = _breakdown_rows(out)
     assert list(rows) == ["convolution", "batch norm", "activation", "addition", "other", "total"]
     assert rows["activation"][2] == 0.0 and rows["convolution"][0] > 0
     assert all(abs(sum(rows[k][i] for k in list(rows)[:5]) - rows["total"][i]) < 0.2 for i in range(3))
@@ -141,6 +146,5 @@ def test_profile_model_breakdown_of_compiled_models():
     batch norm kernels count as batch norm, not as other."""
     out = _profile_model("--breakdown", "--compile").stdout.splitlines()
     assert any(line.endswith("compiled, self time per training step (CPU, ms), by kind of operator") for line in out)
-    header = out.index(next(line for line in out if line.split() == ["native", "ours", "fused"]))
-    rows = {line[:12].strip(): [float(v) for v in line[12:].split()] for line in out[header + 1:header + 7]}
+    rows = _breakdown_rows(out)
     assert rows["batch norm"][0] > 0 and rows["batch norm"][1] > 0 and rows["convolution"][0] > 0

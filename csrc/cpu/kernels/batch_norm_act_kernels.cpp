@@ -6,10 +6,10 @@
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "activation_math.h"
 #include "batch_norm_math.h"
+#include "cpu/aligned_array.h"
 #include "cpu/kernels/act_gates.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/kernels/operators.h"
@@ -64,13 +64,13 @@ void backward_impl_act(ActBackwardArgs& a) {
     if constexpr (kInvertible) {
       if (a.from_output) {
         // The kernel centres u = act^-1(y) - r = gamma * rstd * (x - mean) + beta.
-        std::vector<double> unit(e.channels);
+        const auto unit = aligned_array_for_overwrite<double>(e.channels);
         for (int64_t k = 0; k < e.channels; ++k) unit[k] = gamma[k] * math::rstd_of(var[k], a.epsilon);
         OutputGate<T, Act, true> gate;
         gate.r = r;
         gate.slope = slope;
         gate.dz = dz;
-        backward_impl<T>(x, dy, dx, e, beta, unit.data(), var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
+        backward_impl<T>(x, dy, dx, e, beta, unit.get(), var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
         return;
       }
     }

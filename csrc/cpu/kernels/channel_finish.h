@@ -145,18 +145,15 @@ C10_ALWAYS_INLINE S<VecD> merged(const Partials<S<Double...>>& parts, const Chan
 // would meet in one L1 set at every channel.
 template <typename A>
 struct AffineTable {
-  static int64_t stride(int64_t channels) {
-    constexpr int64_t kLine = kCacheLineBytes / sizeof(A);
-    return (channels + kLine - 1) / kLine * kLine + kLine;
-  }
   AlignedArray<A> storage;
   A *mean, *dy_scale, *x_scale, *bias;
-  explicit AffineTable(int64_t channels)
-      : storage(aligned_array_for_overwrite<A>(4 * stride(channels))),
-        mean(storage.get()),
-        dy_scale(mean + stride(channels)),
-        x_scale(dy_scale + stride(channels)),
-        bias(x_scale + stride(channels)) {}
+  explicit AffineTable(int64_t channels) : storage(aligned_array_for_overwrite<A>(4 * array_stride(channels))) {
+    const int64_t stride = array_stride(channels);
+    mean = storage.get();
+    dy_scale = mean + stride;
+    x_scale = dy_scale + stride;
+    bias = x_scale + stride;
+  }
   void set(int64_t k, const math::ChannelAffine<A>& c) {
     mean[k] = c.mean;
     dy_scale[k] = c.dy_scale;
@@ -179,6 +176,13 @@ struct AffineTable {
     else NarrowedLanes(v).store(p + g.k, g.n);
   }
   math::AffineArrays<A> arrays() const { return {mean, dy_scale, x_scale, bias}; }
+
+ private:
+  // Elements from one array's start to the next: whole lines, plus one.
+  static int64_t array_stride(int64_t channels) {
+    constexpr int64_t kLine = kCacheLineBytes / sizeof(A);
+    return ceil_div(channels, kLine) * kLine + kLine;
+  }
 };
 
 // The forward's elementwise coefficients of the group from its statistics;
