@@ -1,5 +1,5 @@
 // The activations of the fused batch_norm_act operators, each formula written
-// once for the CPU vector kernels, the CPU scalar tails and the CUDA kernels.
+// once for the CPU vector kernels, the CPU gates' constants and the CUDA kernels.
 //
 // A formula is a template over `Ops` (how to select on a sign and take exp)
 // and the value type `V`: `ScalarOps` here works on float/double on the host

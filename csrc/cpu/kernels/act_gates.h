@@ -1,7 +1,6 @@
 // The epilogues (epilogue.h) of the fused batch_norm_act operators: the
 // activation of the forward, and the backward's dz = dy * act'(z), with the
-// formulas of activation_math.h evaluated on vectors (VecOps) or on one
-// element (act::ScalarOps).
+// formulas of activation_math.h evaluated on vectors (VecOps).
 //
 // Where the backward gets act'(z) from (activation_math.h):
 // * SignBitsGate: from the forward's sign bits of y (relu, leaky_relu;
@@ -14,6 +13,7 @@
 
 #include <c10/macros/Macros.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "activation_math.h"
@@ -77,7 +77,6 @@ struct ForwardAct : PlainEpilogue<T> {
   acc_t slope;
   uint8_t* positive = nullptr;  // sign bits, in layouts where sign_bits_fit<T>
   C10_ALWAYS_INLINE void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
-  acc_t scalar_post(acc_t v) const { return Act::template forward<act::ScalarOps>(v, slope); }
   C10_ALWAYS_INLINE void stored(const T*, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     constexpr int64_t K = IO::kChunk;
     if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
@@ -93,9 +92,6 @@ struct ForwardAct : PlainEpilogue<T> {
       }
     }
   }
-  void scalar_stored(int64_t i, T value) const {
-    if (positive) write_bit(positive, i, static_cast<acc_t>(value) > acc_t(0));
-  }
 };
 
 // What both backward gates do with dz once they have it.
@@ -106,14 +102,9 @@ struct DzOut : GateBase<T> {
   static constexpr int P = GateBase<T>::P;
   T* dz = nullptr;  // diff_residual, or null
   void post(Vec&) const {}
-  acc_t scalar_post(acc_t v) const { return v; }
   void stored(const T*, int64_t, int64_t, const Vec (&)[P]) const {}
-  void scalar_stored(int64_t, T) const {}
   C10_ALWAYS_INLINE void store_dz(int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     if (dz) this->store(dz, off, lanes, v);
-  }
-  void scalar_store_dz(int64_t i, acc_t d) const {
-    if (dz) dz[i] = static_cast<T>(d);
   }
 };
 
@@ -139,10 +130,7 @@ struct SignBitsGate : DzOut<T> {
       d[q] = d[q] * select_bits(bits >> (q * W), Vec(positive_grad), Vec(other_grad));
   }
   const SignBitsGate& plane(int64_t) const { return *this; }
-  const SignBitsGate& columns(int64_t) const { return *this; }
-  void scalar(int64_t i, int64_t, acc_t&, acc_t& d) const {
-    d *= read_bit(positive, i) ? positive_grad : other_grad;
-  }
+  const SignBitsGate& columns(int64_t, int64_t = 0) const { return *this; }
 };
 
 // act'(z) from the output y. Normal mode: the kernel's x is the input and
@@ -176,18 +164,7 @@ struct OutputGate : DzOut<T> {
   }
   // No per-channel data: the gate binds to itself.
   const OutputGate& plane(int64_t) const { return *this; }
-  const OutputGate& columns(int64_t) const { return *this; }
-
-  void scalar(int64_t i, int64_t, acc_t& x, acc_t& d) const {
-    acc_t g = x;
-    if constexpr (kFromOutput) {
-      x = Act::template inverse<act::ScalarOps>(x, slope);
-      if (r) x -= static_cast<acc_t>(r[i]);
-    } else if constexpr (Act::kNeedsGate) {
-      g = static_cast<acc_t>(y[i]);
-    }
-    if constexpr (Act::kNeedsGate) d *= Act::template grad_from_output<act::ScalarOps>(g, slope);
-  }
+  const OutputGate& columns(int64_t, int64_t = 0) const { return *this; }
 };
 
 // act'(z) from z = scale * (x - mean) + shift + r, recomputed with the
@@ -224,19 +201,17 @@ struct InputGate : DzOut<T> {
     }
     return b;
   }
-  Bound columns(int64_t c) const {
+  // Channels [c, c + lanes): a partial chunk's lanes past them read zero
+  // coefficients (and meet zero-filled dy lanes).
+  Bound columns(int64_t c, int64_t lanes = GateBase<T>::K) const {
     Bound b{*this, {}, {}, {}};
     for (int q = 0; q < P; ++q) {
-      b.mean[q] = Vec::loadu(forward.mean + c + q * W);
-      b.scale[q] = Vec::loadu(forward.x_scale + c + q * W);
-      b.shift[q] = Vec::loadu(forward.bias + c + q * W);
+      const int64_t n = std::clamp<int64_t>(lanes - q * W, 0, W);
+      b.mean[q] = Vec::loadu(forward.mean + c + q * W, n);
+      b.scale[q] = Vec::loadu(forward.x_scale + c + q * W, n);
+      b.shift[q] = Vec::loadu(forward.bias + c + q * W, n);
     }
     return b;
-  }
-  void scalar(int64_t i, int64_t k, acc_t& x, acc_t& d) const {
-    acc_t z = (x - forward.mean[k]) * forward.x_scale[k] + forward.bias[k];
-    if (r) z += static_cast<acc_t>(r[i]);
-    d *= Act::template grad<act::ScalarOps>(z, slope);
   }
 };
 

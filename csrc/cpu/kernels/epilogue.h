@@ -13,9 +13,6 @@
 // * `post(v)`: the forward's activation, applied before the store.
 // * `stored(out, off, lanes, v)`: after out[off, off + lanes) was stored from v
 //   (the forward's sign bits, sign_bits.h).
-// * `scalar(i, k, x, dy)`, `scalar_post(v)`, `scalar_store_dz(i, dz)`,
-//   `scalar_stored(i, value)`: the same for one element of channel k (the row
-//   kernels' tails).
 // * `kSegmentChunks`: whether the hooks take chunks that run across channels
 //   and plane rows (a segment reduction of short planes, partition.h): true
 //   when they hold no per-channel data and address elements by offset only.
@@ -40,14 +37,10 @@ struct PlainEpilogue {
     void apply(int64_t, int64_t, Vec (&)[P], Vec (&)[P]) const {}
   };
   Bound plane(int64_t) const { return {}; }
-  Bound columns(int64_t) const { return {}; }
+  Bound columns(int64_t, int64_t = 0) const { return {}; }
   void store_dz(int64_t, int64_t, const Vec (&)[P]) const {}
   void post(Vec&) const {}
   void stored(const T*, int64_t, int64_t, const Vec (&)[P]) const {}
-  void scalar(int64_t, int64_t, acc_t&, acc_t&) const {}
-  acc_t scalar_post(acc_t v) const { return v; }
-  void scalar_store_dz(int64_t, acc_t) const {}
-  void scalar_stored(int64_t, T) const {}
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 // four rows per chunk.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <c10/macros/Macros.h>
@@ -25,65 +26,63 @@ struct RowAffine {
   static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
   static constexpr int P = IO::kParts;                       // Vecs of a chunk
 
-  // One chunk's coefficients (AffineArrays at channel j), as vectors.
+  // One chunk's coefficients (AffineArrays at channels [j, j + lanes)), as
+  // vectors; a partial chunk's lanes past them are zero.
   struct ChunkCoefficients {
     Vec mean[P], x_scale[P], bias[P], dy_scale[P];
   };
-  C10_ALWAYS_INLINE static ChunkCoefficients coefficients_at(math::AffineArrays<acc_t> c, int64_t j,
-                                                             bool with_dy) {
+  C10_ALWAYS_INLINE static ChunkCoefficients coefficients_at(math::AffineArrays<acc_t> c, int64_t j, bool with_dy,
+                                                             int64_t lanes = K) {
     ChunkCoefficients k;
     for (int q = 0; q < P; ++q) {
-      k.mean[q] = Vec::loadu(c.mean + j + q * W);
-      k.x_scale[q] = Vec::loadu(c.x_scale + j + q * W);
-      k.bias[q] = Vec::loadu(c.bias + j + q * W);
-      if (with_dy) k.dy_scale[q] = Vec::loadu(c.dy_scale + j + q * W);
+      const int64_t n = std::clamp<int64_t>(lanes - q * W, 0, W);  // W (a full load) but in a partial chunk
+      k.mean[q] = Vec::loadu(c.mean + j + q * W, n);
+      k.x_scale[q] = Vec::loadu(c.x_scale + j + q * W, n);
+      k.bias[q] = Vec::loadu(c.bias + j + q * W, n);
+      if (with_dy) k.dy_scale[q] = Vec::loadu(c.dy_scale + j + q * W, n);
     }
     return k;
   }
 
-  // affine() of the full chunk at offset `off`, whose columns' hooks are `bound`.
+  // affine() of the chunk at offset `off`, whose columns' hooks are `bound`:
+  // a full chunk, or (lanes < K) the partial chunk that ends a row, whose
+  // columns past the last full chunk are done a vector at a time as well
+  // (one element at a time they had cost as much as the row's other chunks
+  // on 980-column segments of 7x7 float16 planes).
   template <typename Bound, typename E>
   C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
-                                             const Bound& bound, const E& ep, bool stream) {
+                                             const Bound& bound, const E& ep, bool stream, int64_t lanes = K) {
     Vec xv[P], yv[P];
-    IO::load(x + off, xv);
+    if (lanes == K) IO::load(x + off, xv); else IO::load_partial(x + off, lanes, xv);
     if (y) {
-      IO::load(y + off, yv);
-      bound.apply(off, K, xv, yv);
-      ep.store_dz(off, K, yv);
+      if (lanes == K) IO::load(y + off, yv); else IO::load_partial(y + off, lanes, yv);
+      bound.apply(off, lanes, xv, yv);
+      ep.store_dz(off, lanes, yv);
     }
     for (int q = 0; q < P; ++q) {
       xv[q] = at::vec::fmadd(xv[q] - k.mean[q], k.x_scale[q], k.bias[q]);
       if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
       ep.post(xv[q]);
     }
-    if (stream) IO::store_stream(out + off, xv);
+    if (lanes < K) IO::store_partial(out + off, lanes, xv);
+    else if (stream) IO::store_stream(out + off, xv);
     else IO::store(out + off, xv);
-    ep.stored(out, off, K, xv);
+    ep.stored(out, off, lanes, xv);
   }
 
-  // affine() of channels [k0, k1) of the row starting at offset `row`, one element at a time.
-  template <typename E>
-  static void affine_scalars(const T* x, const T* y, T* out, int64_t row, int64_t k0, int64_t k1,
-                             math::AffineArrays<acc_t> c, const E& ep) {
-    for (int64_t k = k0; k < k1; ++k) {
-      out[row + k] = scalar(x, y, row + k, k, c, ep);
-      ep.scalar_stored(row + k, out[row + k]);
-    }
-  }
-
-  // affine() over whole rows of G chunks (and a tail of under K channels),
-  // one row after the other, every chunk's coefficients held in registers
-  // for the whole block instead of reloaded each row.
+  // affine() over whole rows of G chunks (and a partial chunk of under K
+  // channels), one row after the other, every chunk's coefficients held in
+  // registers for the whole block instead of reloaded each row.
   template <int G, typename E>
   static void few_chunk_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                           math::AffineArrays<acc_t> c, const E& ep, bool stream) {
-    const int64_t C = e.channels;
-    ChunkCoefficients k[G];
+    const int64_t C = e.channels, tail = C - G * K;
+    ChunkCoefficients k[G + 1];
     for (int g = 0; g < G; ++g) k[g] = coefficients_at(c, g * K, y != nullptr);
+    if (tail > 0) k[G] = coefficients_at(c, G * K, y != nullptr, tail);
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
       for (int g = 0; g < G; ++g) affine_chunk(x, y, out, o * C + g * K, k[g], ep.columns(g * K), ep, stream);
-      affine_scalars(x, y, out, o * C, G * K, C, c, ep);
+      if (tail > 0) affine_chunk(x, y, out, o * C + G * K, k[G], ep.columns(G * K, tail), ep, false, tail);
     }
   }
 
@@ -159,21 +158,11 @@ struct RowAffine {
       const ChunkCoefficients k = coefficients_at(c, j, y != nullptr);
       for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, stream);
     }
-    for (int64_t r = 0; r < R; ++r) affine_scalars(x, y, out, (o + r) * C, j, c1, c, ep);
-  }
-
-  // One element of affine(), of channel k, at offset i.
-  template <typename E>
-  static T scalar(const T* x, const T* y, int64_t i, int64_t k, math::AffineArrays<acc_t> c, const E& ep) {
-    acc_t xa = static_cast<acc_t>(x[i]);
-    acc_t d = y ? static_cast<acc_t>(y[i]) : acc_t(0);
-    if (y) {
-      ep.scalar(i, k, xa, d);
-      ep.scalar_store_dz(i, d);
-    }
-    acc_t r = (xa - c.mean[k]) * c.x_scale[k] + c.bias[k];
-    if (y) r += c.dy_scale[k] * d;
-    return static_cast<T>(ep.scalar_post(r));
+    if (j == c1) return;
+    const int64_t lanes = c1 - j;
+    const auto bound = ep.columns(j, lanes);
+    const ChunkCoefficients k = coefficients_at(c, j, y != nullptr, lanes);
+    for (int64_t r = 0; r < R; ++r) affine_chunk(x, y, out, (o + r) * C + j, k, bound, ep, false, lanes);
   }
 };
 

@@ -27,12 +27,17 @@ struct RowGradSums : RowWalk<T> {
                         Partials<math::GradSums<double>>& out, const E& ep = E{}, int64_t span = 1) {
     const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
     // The block's columns' means: the channels' own, or each segment's
-    // channel mean repeated over its columns.
-    alignas(64) acc_t segment_mean[kColumnBlock];
+    // channel mean repeated over its columns; copied when the block ends in
+    // a partial chunk, whose lanes past the block read zero means.
+    alignas(64) acc_t column_mean[kColumnBlock];
     const acc_t* m = mean + c0;
-    if (span > 1) {
-      for (int64_t j = 0; j < nc; j += span) std::fill(segment_mean + j, segment_mean + j + span, mean[(c0 + j) / span]);
-      m = segment_mean;
+    if (span > 1 || nc % K != 0) {
+      if (span > 1)
+        for (int64_t j = 0; j < nc; j += span) std::fill(column_mean + j, column_mean + j + span, mean[(c0 + j) / span]);
+      else
+        std::copy(mean + c0, mean + c0 + nc, column_mean);
+      std::fill(column_mean + nc, column_mean + padded(nc), acc_t(0));
+      m = column_mean;
     }
     ColumnSums sum_dy(nc), sum_dy_xc(nc);
     if (grad_sums_walk_rows(e, blk)) grad_sums_by_rows(x, dy, e, blk, m, sum_dy, sum_dy_xc, ep);
@@ -85,11 +90,11 @@ struct RowGradSums : RowWalk<T> {
   static void grad_sums_by_chunks(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* m,
                                   ColumnSums& sum_dy, ColumnSums& sum_dy_xc, const E& ep) {
     const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
-    const bool one_group = vec_end <= kGroup * K;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
+    const bool one_group = nc - nc % K <= kGroup * K;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for_chunk_groups(vec_end, one_group, [&](int64_t j, auto group) {
+      for_block_chunks(nc, one_group, [&](int64_t j, auto group) {
         constexpr int G = decltype(group)::value;
         Vec run_dy[G][P], run_dy_xc[G][P], mv[G][P];
         for (int g = 0; g < G; ++g)
@@ -101,9 +106,9 @@ struct RowGradSums : RowWalk<T> {
           for (int g = 0; g < G; ++g) {
             const int64_t off = o * C + c0 + j + g * K;
             Vec xv[P], dv[P];
-            IO::load(dy + off, dv);
-            IO::load(x + off, xv);
-            ep.columns(c0 + j + g * K).apply(off, K, xv, dv);
+            load_group(dy + off, chunk_of(group), dv);
+            load_group(x + off, chunk_of(group), xv);
+            ep.columns(c0 + j + g * K, lanes_of(group)).apply(off, lanes_of(group), xv, dv);
             for (int q = 0; q < P; ++q) {
               run_dy[g][q] = run_dy[g][q] + dv[q];
               run_dy_xc[g][q] = at::vec::fmadd(dv[q], xv[q] - mv[g][q], run_dy_xc[g][q]);
@@ -116,7 +121,6 @@ struct RowGradSums : RowWalk<T> {
             sum_dy_xc.add(j + g * K + q * W, run_dy_xc[g][q]);
           }
       });
-      grad_sums_tail(x, dy, e, blk, m, r0, r1, sum_dy, sum_dy_xc, ep);
     }
   }
 
@@ -127,19 +131,19 @@ struct RowGradSums : RowWalk<T> {
   static void grad_sums_by_rows(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* m,
                                 ColumnSums& sum_dy, ColumnSums& sum_dy_xc, const E& ep) {
     const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
     alignas(64) acc_t run_dy[kColumnBlock];
     alignas(64) acc_t run_dy_xc[kColumnBlock];
     const int64_t end = e.outer * C;
     auto row = [&](int64_t o, bool first) {
-      for (int64_t j = 0; j < vec_end; j += K) {
+      for_each_chunk(nc, [&](int64_t j, auto chunk) {
         const int64_t off = o * C + c0 + j;
         prefetch_line_ahead(dy, off, kRowAhead, end);
         prefetch_line_ahead(x, off, kRowAhead, end);
         Vec xv[P], dv[P];
-        IO::load(dy + off, dv);
-        IO::load(x + off, xv);
-        ep.columns(c0 + j).apply(off, K, xv, dv);
+        load_group(dy + off, chunk, dv);
+        load_group(x + off, chunk, xv);
+        ep.columns(c0 + j, lanes_of(chunk)).apply(off, lanes_of(chunk), xv, dv);
         for (int q = 0; q < P; ++q) {
           acc_t* a = run_dy + j + q * W;
           acc_t* b = run_dy_xc + j + q * W;
@@ -147,31 +151,14 @@ struct RowGradSums : RowWalk<T> {
           (a0 + dv[q]).store(a);
           at::vec::fmadd(dv[q], xv[q] - Vec::loadu(m + j + q * W), b0).store(b);
         }
-      }
+      });
     };
-    for_rows_of_runs(blk, row, [&](int64_t r0, int64_t r1) {
-      for (int64_t j = 0; j < vec_end; j += W) {
+    for_rows_of_runs(blk, row, [&](int64_t, int64_t) {
+      for (int64_t j = 0; j < padded(nc); j += W) {
         sum_dy.add(j, Vec::loadu(run_dy + j));
         sum_dy_xc.add(j, Vec::loadu(run_dy_xc + j));
       }
-      grad_sums_tail(x, dy, e, blk, m, r0, r1, sum_dy, sum_dy_xc, ep);
     });
-  }
-
-  // The columns past the last full chunk, of rows [r0, r1), one element at a time.
-  template <typename E>
-  static void grad_sums_tail(const T* x, const T* dy, const Extent& e, const Block& blk, const acc_t* m, int64_t r0,
-                             int64_t r1, ColumnSums& sum_dy, ColumnSums& sum_dy_xc, const E& ep) {
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
-    for (int64_t o = r0; o < r1; ++o) {
-      const int64_t off = o * e.channels + c0;
-      for (int64_t j = nc - nc % K; j < nc; ++j) {
-        acc_t d = static_cast<acc_t>(dy[off + j]), xa = static_cast<acc_t>(x[off + j]);
-        ep.scalar(off + j, c0 + j, xa, d);
-        sum_dy.add(j, d);
-        sum_dy_xc.add(j, d * (xa - m[j]));
-      }
-    }
   }
 };
 

@@ -33,7 +33,7 @@ struct RowStatistics : RowWalk<T> {
     alignas(64) acc_t max_abs[kColumnBlock];
     alignas(64) acc_t centre[kColumnBlock];
     alignas(64) double sum_x[kColumnBlock];  // per channel (segment) of the block
-    std::fill(max_abs, max_abs + nc, acc_t(0));
+    std::fill(max_abs, max_abs + padded(nc), acc_t(0));
     sum_max_pass(x, e, blk, sx, max_abs);
     const double count = rows * static_cast<double>(span);
     if (span == 1) {
@@ -46,6 +46,7 @@ struct RowStatistics : RowWalk<T> {
         std::fill(centre + j, centre + j + span, c);
       }
     }
+    std::fill(centre + nc, centre + padded(nc), acc_t(0));  // the partial chunk's lanes past the block
     ColumnSums sd(nc);
     squares_pass(x, e, blk, centre, sd);
     if (span == 1) {
@@ -107,26 +108,23 @@ struct RowStatistics : RowWalk<T> {
   }
 
   // The walk of both statistics passes: for each run of kRowRun rows, each
-  // group of full chunks gets chunk(j, group, r0, r1), which sums the run's
-  // rows of it in registers; then the columns past the last full chunk get
-  // tail(value, j), row by row. `from_memory` (pass 1): each group first
-  // requests its columns of the next run's rows.
-  template <typename Chunk, typename Tail>
-  static void for_runs(const T* x, const Extent& e, const Block& blk, bool from_memory, const Chunk& chunk,
-                       const Tail& tail) {
+  // group of chunks (the partial chunk last: row_walk.h) gets
+  // chunk(j, group, r0, r1), which sums the run's rows of it in registers.
+  // `from_memory` (pass 1): each group first requests its columns of the
+  // next run's rows.
+  template <typename Chunk>
+  static void for_runs(const T* x, const Extent& e, const Block& blk, bool from_memory, const Chunk& chunk) {
     const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
     const int64_t end = e.outer * C;
     for (int64_t r0 = blk.o0; r0 < blk.o1; r0 += kRowRun) {
       const int64_t r1 = std::min(blk.o1, r0 + kRowRun);
-      for_chunk_groups(vec_end, true, [&](int64_t j, auto group) {
+      for_block_chunks(nc, true, [&](int64_t j, auto group) {
         if (from_memory)
           for (int64_t o = r0; o < r1; ++o)
             for (int g = 0; g < decltype(group)::value; ++g) prefetch_line_ahead(x, o * C + c0 + j + g * K, kRowRun * C, end);
         chunk(j, group, r0, r1);
       });
-      for (int64_t o = r0; o < r1; ++o)
-        for (int64_t j = vec_end; j < nc; ++j) tail(static_cast<acc_t>(x[o * C + c0 + j]), j);
     }
   }
 
@@ -148,7 +146,7 @@ struct RowStatistics : RowWalk<T> {
       }
       for (int64_t o = r0; o < r1; ++o) {
         Vec v[N];
-        IO::template load_chunks<decltype(group)::value>(base + o * C + j, v);
+        load_group(base + o * C + j, group, v);
         for (int q = 0; q < N; ++q) {
           a[q] = a[q] + v[q];
           mx[q] = at::vec::clamp_min(v[q].abs(), mx[q]);  // a plain max: see exact_centre
@@ -159,10 +157,7 @@ struct RowStatistics : RowWalk<T> {
         mx[q].store(max_abs + j + q * W);
       }
     };
-    for_runs(x, e, blk, /*from_memory=*/true, chunk, [&](acc_t a, int64_t j) {
-      sx.add(j, a);
-      max_abs[j] = std::max(max_abs[j], std::abs(a));
-    });
+    for_runs(x, e, blk, /*from_memory=*/true, chunk);
   }
 
   // Whether pass 1 walks the block row by row (sum_max_by_rows): half
@@ -188,30 +183,24 @@ struct RowStatistics : RowWalk<T> {
   // order as by chunks: bitwise equal.
   static void sum_max_by_rows(const T* x, const Extent& e, const Block& blk, ColumnSums& sx, acc_t* max_abs) {
     const int64_t C = e.channels;
-    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0, vec_end = nc - nc % K;
+    const int64_t c0 = blk.s0, nc = blk.s1 - blk.s0;
     alignas(64) acc_t run[kColumnBlock];
     const int64_t end = e.outer * C;
     auto row = [&](int64_t o, bool first) {
-      for (int64_t j = 0; j < vec_end; j += K) {
+      for_each_chunk(nc, [&](int64_t j, auto chunk) {
         Vec v[P];
         prefetch_line_ahead(x, o * C + c0 + j, kRowAhead, end);
-        IO::load(x + o * C + c0 + j, v);
+        load_group(x + o * C + c0 + j, chunk, v);
         for (int q = 0; q < P; ++q) {
           acc_t* a = run + j + q * W;
           acc_t* mx = max_abs + j + q * W;
           ((first ? Vec(acc_t(0)) : Vec::loadu(a)) + v[q]).store(a);
           at::vec::clamp_min(v[q].abs(), Vec::loadu(mx)).store(mx);
         }
-      }
+      });
     };
-    for_rows_of_runs(blk, row, [&](int64_t r0, int64_t r1) {
-      for (int64_t j = 0; j < vec_end; j += W) sx.add(j, Vec::loadu(run + j));
-      for (int64_t o = r0; o < r1; ++o)
-        for (int64_t j = vec_end; j < nc; ++j) {
-          const acc_t a = static_cast<acc_t>(x[o * C + c0 + j]);
-          sx.add(j, a);
-          max_abs[j] = std::max(max_abs[j], std::abs(a));
-        }
+    for_rows_of_runs(blk, row, [&](int64_t, int64_t) {
+      for (int64_t j = 0; j < padded(nc); j += W) sx.add(j, Vec::loadu(run + j));
     });
   }
 
@@ -228,7 +217,7 @@ struct RowStatistics : RowWalk<T> {
       }
       for (int64_t o = r0; o < r1; ++o) {
         Vec v[N];
-        IO::template load_chunks<decltype(group)::value>(base + o * C + j, v);
+        load_group(base + o * C + j, group, v);
         for (int q = 0; q < N; ++q) {
           const Vec d = v[q] - cv[q];
           a[q] = at::vec::fmadd(d, d, a[q]);
@@ -236,10 +225,7 @@ struct RowStatistics : RowWalk<T> {
       }
       for (int q = 0; q < N; ++q) sd.add_nonnegative(j + q * W, a[q]);
     };
-    for_runs(x, e, blk, /*from_memory=*/false, chunk, [&](acc_t a, int64_t j) {
-      const acc_t d = a - centre[j];
-      add_exact_nonnegative(sd.sum[j], sd.err[j], d * d);
-    });
+    for_runs(x, e, blk, /*from_memory=*/false, chunk);
   }
 };
 

@@ -24,9 +24,15 @@
   using Walk::K;                           \
   using Walk::kGroup;                      \
   using Walk::kRowAhead;                   \
+  using Walk::chunk_of;                    \
+  using Walk::lanes_of;                    \
+  using Walk::load_group;                  \
+  using Walk::padded;                      \
+  using typename Walk::PartialChunk;       \
   using Walk::P;                           \
   using Walk::W;                           \
-  using Walk::for_chunk_groups;            \
+  using Walk::for_block_chunks;            \
+  using Walk::for_each_chunk;              \
   using Walk::for_rows_of_runs;            \
   using Walk::segment_total;               \
   using Walk::whole_wide_rows
@@ -47,9 +53,11 @@ struct RowWalk {
   struct ColumnSums {
     alignas(64) acc_t sum[kColumnBlock];
     alignas(64) acc_t err[kColumnBlock];
+    // Columns [0, n) and the lanes of the block's partial chunk past them
+    // (padded(n)), which sum zeros.
     explicit ColumnSums(int64_t n) {
-      std::fill(sum, sum + n, acc_t(0));
-      std::fill(err, err + n, acc_t(0));
+      std::fill(sum, sum + padded(n), acc_t(0));
+      std::fill(err, err + padded(n), acc_t(0));
     }
     void add(int64_t j, const Vec& v) {
       Vec s = Vec::loadu(sum + j), r = Vec::loadu(err + j);
@@ -63,9 +71,38 @@ struct RowWalk {
       s.store(sum + j);
       r.store(err + j);
     }
-    void add(int64_t j, acc_t v) { add_exact(sum[j], err[j], v); }
     double value(int64_t j) const { return static_cast<double>(sum[j]) + static_cast<double>(err[j]); }
   };
+
+  // A block's columns past its last full chunk (nc % K of them) are read as
+  // one partial chunk, whose lanes past the block load as zero
+  // (Io::load_partial), and summed as the full chunks are, a vector at a
+  // time: one element at a time, the 20 columns left of each 980-column
+  // segment block of 7x7 float16 planes cost as much as its 960 others.
+  // Per-column arrays are kColumnBlock (a multiple of K) long, so that the
+  // chunk's lanes past the block land in columns no one reads.
+  struct PartialChunk {
+    static constexpr int value = 1;  // one chunk, as a group of one
+    int64_t lanes;
+  };
+  static int64_t padded(int64_t nc) { return ceil_div(nc, K) * K; }
+  // One chunk of a group: the partial chunk itself, or a full one; and its lanes.
+  template <typename Group>
+  static constexpr auto chunk_of(Group group) {
+    if constexpr (std::is_same_v<Group, PartialChunk>) return group;
+    else return std::integral_constant<int, 1>{};
+  }
+  template <typename Group>
+  static constexpr int64_t lanes_of(Group group) {
+    if constexpr (std::is_same_v<Group, PartialChunk>) return group.lanes;
+    else return K;
+  }
+  // A group's Group::value chunks at p, or the partial chunk's lanes.
+  template <typename Group>
+  C10_ALWAYS_INLINE static void load_group(const T* p, Group group, Vec (&v)[Group::value * P]) {
+    if constexpr (std::is_same_v<Group, PartialChunk>) IO::load_partial(p, group.lanes, v);
+    else IO::template load_chunks<Group::value>(p, v);
+  }
 
   // Chunks of one vector (float32, float64) are walked kGroup at a time, so
   // that each row's loads feed kGroup independent accumulator chains instead
@@ -95,6 +132,20 @@ struct RowWalk {
       }
     }
     for (; j < vec_end; j += K) f(j, std::integral_constant<int, 1>{});
+  }
+  // Every chunk of a block of nc columns in order, one at a time (the row walks).
+  template <typename F>
+  static void for_each_chunk(int64_t nc, const F& f) {
+    const int64_t vec_end = nc - nc % K;
+    for (int64_t j = 0; j < vec_end; j += K) f(j, std::integral_constant<int, 1>{});
+    if (vec_end < nc) f(vec_end, PartialChunk{nc - vec_end});
+  }
+  // for_chunk_groups over a block of nc columns, then its partial chunk.
+  template <typename F>
+  static void for_block_chunks(int64_t nc, bool groups, const F& f) {
+    const int64_t vec_end = nc - nc % K;
+    for_chunk_groups(vec_end, groups, f);
+    if (vec_end < nc) f(vec_end, PartialChunk{nc - vec_end});
   }
 
   // The reductions that read memory as it comes (pass 1 of the statistics,

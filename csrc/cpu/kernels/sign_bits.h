@@ -134,18 +134,6 @@ C10_ALWAYS_INLINE void write_bits(uint8_t* packed, int64_t i, uint32_t bits, int
   if (bytes) *p = static_cast<uint8_t>(word);
 }
 
-inline bool read_bit(const uint8_t* packed, int64_t i) { return (packed[i >> 3] >> (i & 7)) & 1u; }
-
-// Sets bit i to `on`. The first bit of a byte clears the others (a line's
-// elements are written in order, so its padding ends up zero); later bits
-// keep the ones before them (one thread's own).
-inline void write_bit(uint8_t* packed, int64_t i, bool on) {
-  const uint8_t bit = static_cast<uint8_t>(1u << (i & 7));
-  uint8_t& byte = packed[i >> 3];
-  if ((i & 7) == 0) byte = on ? bit : 0;
-  else byte = on ? (byte | bit) : (byte & ~bit);
-}
-
 // The bits of one chunk of type-T data, from its accumulation-type vectors.
 template <typename T>
 inline uint32_t chunk_positive_bits(const typename Io<T>::Vec (&v)[Io<T>::kParts]) {
