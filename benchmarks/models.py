@@ -1,5 +1,7 @@
-"""Model benchmark: a whole ResNet with this library's BatchNorm against the same
-model with torch's, side by side (``python -m torch_bn_grad.bench --model resnet18``).
+"""Model benchmark: a whole model with this library's BatchNorm against the same
+model with torch's, side by side (``python -m torch_bn_grad.bench --model resnet18``):
+the project's ResNet-18 and ResNet-50 (``resnets.py``), or timm's EfficientNet-B0 and
+MobileNetV3 (``timm_models.py``).
 
 For each mode (train step: forward, cross-entropy, backward, SGD step; eval:
 forward under ``no_grad``), memory format and execution (eager, or
@@ -33,10 +35,14 @@ import torch
 
 import torch_bn_grad
 from benchmarks import processes as _processes
-from benchmarks import resnets as _models
+from benchmarks import resnets as _resnets
 from benchmarks import speedup_plot as _plot
+from benchmarks import timm_models as _timm_models
 from torch_bn_grad import _compat, config
 
+# The models --model takes: the project's ResNets, and timm's (built only when named).
+MODELS = {**_resnets.MODELS, **_timm_models.MODELS}
+_MODEL_WIDTH = max(len(name) for name in MODELS)
 MODES = ("train", "eval")
 LAYOUTS = ("contiguous", "channels_last")
 EXECUTIONS = ("eager", "compile")
@@ -117,13 +123,18 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
     """Time one case; every variant's iterations alternate, round by round."""
     torch.manual_seed(0)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    native = _models.MODELS[model_name](num_classes).to(device, memory_format=memory_format).train(mode == "train")
-    variants = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native))}
+    native = MODELS[model_name](num_classes).to(device, memory_format=memory_format).train(mode == "train")
+
+    def converted(**kwargs) -> torch.nn.Module:
+        # subclasses=True: timm's BatchNormAct2d too (the ResNets have no subclasses).
+        return torch_bn_grad.convert_batchnorm(copy.deepcopy(native), subclasses=True, **kwargs)
+
+    variants = {"native": native, "ours": converted()}
     compiled = execution == "compile"
     if compiled and opaque:
-        variants["opaque"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native))
+        variants["opaque"] = converted()
     if fuse:
-        variants["fused"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)
+        variants["fused"] = converted(fuse=True)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, resolution, resolution, generator=g).to(device, memory_format=memory_format)
     target = torch.randint(0, num_classes, (batch,), generator=g).to(device)
@@ -186,7 +197,7 @@ _RANGE_WIDTH = 14
 def table_header(opaque: bool, fuse: bool, spread: bool = False) -> str:
     """The table's column names; `spread`: each ratio with its range over processes."""
     ours, opaque_w, fused = (w + (_RANGE_WIDTH if spread else 0) for w in _RATIO_WIDTHS)
-    header = (f"{'model':>9} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
+    header = (f"{'model':>{_MODEL_WIDTH}} {'mode':>5} {'layout':>13} {'execution':>9} {'native ms':>10} {'ours ms':>9} "
               f"{'native/ours':>{ours}}")
     if opaque:
         header += f" {'opaque ms':>10} {'native/opaque':>{opaque_w}}"
@@ -203,7 +214,7 @@ def table_row(r: ModelResult) -> str:
         return f"{f'{value:.3f}x ({low:.3f}-{high:.3f})':>{width + _RANGE_WIDTH}}"
 
     ours, opaque, fused = _RATIO_WIDTHS
-    line = (f"{r.model:>9} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
+    line = (f"{r.model:>{_MODEL_WIDTH}} {r.mode:>5} {r.layout:>13} {r.execution:>9} {r.native_ms:>10.2f} "
             f"{r.ours_ms:>9.2f} {ratio(r.speedup, r.speedup_min, r.speedup_max, ours)}")
     if r.opaque_ms is not None:
         line += f" {r.opaque_ms:>10.2f} {ratio(r.opaque_speedup, r.opaque_speedup_min, r.opaque_speedup_max, opaque)}"
@@ -231,7 +242,8 @@ def plot(results: list[ModelResult], path: str) -> None:
 def add_arguments(parser) -> None:
     """The ``--model`` options of ``python -m torch_bn_grad.bench``."""
     group = parser.add_argument_group("model benchmark (--model)")
-    group.add_argument("--model", choices=sorted(_models.MODELS), help="time a whole ResNet instead of the operators")
+    group.add_argument("--model", choices=sorted(MODELS),
+                       help="time a whole model instead of the operators (the timm ones need timm)")
     group.add_argument("--batch-size", type=int, default=16)
     group.add_argument("--resolution", type=int, default=112, help="input height and width")
     group.add_argument("--iters", type=int, default=3, help="iterations per variant per round")

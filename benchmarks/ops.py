@@ -47,11 +47,16 @@ from typing import Callable, Optional
 import torch
 from torch.utils import benchmark
 
-if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad, benchmarks/) first
+if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad, benchmarks/) first,
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import processes as _processes  # noqa: E402
+
+    _processes.use_parents_package()  # but a process of --processes takes its parent's torch_bn_grad
 import torch_bn_grad  # noqa: E402
 from benchmarks import models as _model_bench  # noqa: E402
 from benchmarks import processes as _processes  # noqa: E402
+
+_processes.check_package(torch_bn_grad)
 from benchmarks import speedup_plot as _plot  # noqa: E402
 from torch_bn_grad import _compat  # noqa: E402
 

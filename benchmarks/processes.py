@@ -13,13 +13,41 @@ by one, and the range of their speedups shows how far to trust a row.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
+
+# Where the parent's torch_bn_grad package lies (the folder holding it), for
+# its processes: run as scripts, they would import the source tree's instead
+# (ops.py puts it first), and an A/B of an old build against the checkout's
+# would time the checkout's in every process.
+PACKAGE_ROOT_ENV = "TORCH_BN_GRAD_BENCH_PACKAGE_ROOT"
+
+
+def package_root(package: ModuleType) -> Path:
+    """The folder that holds `package` (torch_bn_grad) as imported."""
+    return Path(package.__file__).resolve().parents[1]
+
+
+def use_parents_package() -> None:
+    """In a process of :func:`run`: the parent's torch_bn_grad first on sys.path."""
+    root = os.environ.get(PACKAGE_ROOT_ENV)
+    if root:
+        sys.path.insert(0, root)
+
+
+def check_package(package: ModuleType) -> None:
+    """In a process of :func:`run`: raises unless `package` is the parent's."""
+    root = os.environ.get(PACKAGE_ROOT_ENV)
+    if root and package_root(package) != Path(root):
+        raise RuntimeError(f"benchmark process imported torch_bn_grad from {package_root(package)}, "
+                           f"its parent from {root}")
 
 
 @dataclass(frozen=True)
@@ -49,13 +77,16 @@ MODELS = Table(key=("model", "mode", "layout", "execution"), medians=("native_ms
 def run(script: Path, argv: list[str], processes: int, log: Callable[[str], object] = print) -> list[list[dict]]:
     """The rows (as dicts) of `processes` runs of ``python script *argv``, each in
     a fresh process writing its table to a JSON file (``ops.main`` checks the
-    count)."""
+    count). Each process imports the torch_bn_grad this one did."""
+    import torch_bn_grad
+
+    env = dict(os.environ, **{PACKAGE_ROOT_ENV: str(package_root(torch_bn_grad))})
     tables = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(processes):
             path = Path(tmp) / f"process{i}.json"
             done = subprocess.run([sys.executable, str(script), *argv, "--json", str(path)],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise RuntimeError(f"benchmark process {i + 1} of {processes} exited with {done.returncode}:\n"
                                    f"{done.stderr[-4000:]}")

@@ -4,6 +4,12 @@ benchmark (``--model``) and the op bench's plot, tiny sizes; the entry's error w
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 from dataclasses import asdict
 
 import pytest
@@ -189,3 +195,50 @@ def test_op_bench_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_model_bench_times_a_timm_model_with_its_fused_variant():
+    pytest.importorskip("timm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # every BatchNormAct2d converted and fused
+        (row,) = _model_bench.run("efficientnet_b0", ["train"], ["channels_last"], ["eager"], batch=2, resolution=32,
+                                  iters=1, rounds=1, warmup=1, opaque=False, num_classes=10,
+                                  log=lambda *_: None, fuse=True)
+    assert row.model == "efficientnet_b0" and row.native_ms > 0 and row.ours_ms > 0 and row.fused_ms > 0
+
+
+def test_processes_check_they_import_the_parents_package(monkeypatch, tmp_path):
+    processes = entry.load("processes")
+    import torch_bn_grad
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv(processes.PACKAGE_ROOT_ENV, str(tmp_path))
+    processes.use_parents_package()
+    assert sys.path[0] == str(tmp_path)
+    with pytest.raises(RuntimeError, match="imported torch_bn_grad from"):
+        processes.check_package(torch_bn_grad)
+    monkeypatch.setenv(processes.PACKAGE_ROOT_ENV, str(processes.package_root(torch_bn_grad)))
+    processes.check_package(torch_bn_grad)
+
+
+def test_processes_of_a_package_outside_the_source_tree_time_that_package(tmp_path):
+    # The A/B set-up: a copy of the package (an old build) with the source tree's benchmarks beside it,
+    # imported through PYTHONPATH. Run as scripts, the processes would put the source tree's package first;
+    # each checks that it imported the copy (processes.check_package) or fails.
+    import torch_bn_grad
+
+    package = Path(torch_bn_grad.__file__).resolve().parent
+    shutil.copytree(package, tmp_path / "torch_bn_grad", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "benchmarks").symlink_to(package.parent / "benchmarks")
+    mark = tmp_path / "imports.txt"  # a line per process that imported the copy
+    with open(tmp_path / "torch_bn_grad" / "__init__.py", "a") as f:
+        f.write(f"\nopen({str(mark)!r}, 'a').write('imported\\n')\n")
+    code = ("import torch_bn_grad, sys; assert torch_bn_grad.__file__.startswith(sys.argv[1]); "
+            "from torch_bn_grad import bench; bench.main(['--shapes', '4x8x3x3', '--dtypes', 'float32', "
+            "'--layouts', 'contiguous', '--directions', 'forward', '--min-run-time', '0.01', '--processes', '2'])")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "process 2/2 done" in done.stdout
+    assert mark.read_text().count("imported") == 3  # the parent and both processes
