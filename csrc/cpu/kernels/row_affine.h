@@ -45,10 +45,9 @@ struct RowAffine {
   }
 
   // affine() of the chunk at offset `off`, whose columns' hooks are `bound`:
-  // a full chunk, or (lanes < K) the partial chunk that ends a row, whose
-  // columns past the last full chunk are done a vector at a time as well
-  // (one element at a time they had cost as much as the row's other chunks
-  // on 980-column segments of 7x7 float16 planes).
+  // a full chunk, or (lanes < K) the partial chunk that ends a row: its
+  // columns past the last full chunk a vector at a time as well, not one
+  // element at a time (row_walk.h, PartialChunk, says what that gained).
   template <typename Bound, typename E>
   C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
                                              const Bound& bound, const E& ep, bool stream, int64_t lanes = K) {
