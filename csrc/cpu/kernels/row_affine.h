@@ -136,7 +136,16 @@ struct RowAffine {
     int64_t o = blk.o0;
     if (!sequential)
       for (; o + kAffineRows <= blk.o1; o += kAffineRows) row_group<kAffineRows>(x, y, out, C, o, c0, c1, c, ep, stream);
-    for (; o < blk.o1; ++o) row_group<1>(x, y, out, C, o, c0, c1, c, ep, stream);
+    rows_in_order(x, y, out, C, o, blk.o1, c0, c1, c, ep, stream);
+  }
+
+  // Rows [o0, o1) one after the other: one call a block, row_group's body
+  // inlined into the row loop (a call a row cost rows of a few chunks, the
+  // 128-256 channels of channels_last layers, its prologue and epilogue).
+  template <typename E>
+  static void rows_in_order(const T* x, const T* y, T* out, int64_t C, int64_t o0, int64_t o1, int64_t c0,
+                            int64_t c1, math::AffineArrays<acc_t> c, const E& ep, bool stream) {
+    for (int64_t o = o0; o < o1; ++o) row_group<1>(x, y, out, C, o, c0, c1, c, ep, stream);
   }
 
   // Each chunk's coefficients are loaded once for kAffineRows rows of a
@@ -149,7 +158,7 @@ struct RowAffine {
   // by reference (not always inlined) it reloaded each of them through the
   // closure on every chunk.
   template <int64_t R, typename E>
-  static void row_group(const T* x, const T* y, T* out, int64_t C, int64_t o, int64_t c0, int64_t c1,
+  C10_ALWAYS_INLINE static void row_group(const T* x, const T* y, T* out, int64_t C, int64_t o, int64_t c0, int64_t c1,
                         math::AffineArrays<acc_t> c, const E& ep, bool stream) {
     int64_t j = c0;
     for (; j + K <= c1; j += K) {
