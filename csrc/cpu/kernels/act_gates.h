@@ -13,7 +13,6 @@
 
 #include <c10/macros/Macros.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "activation_math.h"
@@ -56,8 +55,7 @@ struct GateBase {
   static constexpr bool kSegmentChunks = false;
 
   C10_ALWAYS_INLINE static void load(const T* p, int64_t off, int64_t lanes, Vec (&v)[P]) {
-    if (lanes == K) IO::load(p + off, v);
-    else IO::load_partial(p + off, lanes, v);
+    IO::load_lanes(p + off, lanes, v);
   }
   C10_ALWAYS_INLINE static void store(T* p, int64_t off, int64_t lanes, const Vec (&v)[P]) {
     if (lanes == K) IO::store(p + off, v);
@@ -206,7 +204,7 @@ struct InputGate : DzOut<T> {
   Bound columns(int64_t c, int64_t lanes = GateBase<T>::K) const {
     Bound b{*this, {}, {}, {}};
     for (int q = 0; q < P; ++q) {
-      const int64_t n = std::clamp<int64_t>(lanes - q * W, 0, W);
+      const int64_t n = GateBase<T>::IO::part_lanes(lanes, q);
       b.mean[q] = Vec::loadu(forward.mean + c + q * W, n);
       b.scale[q] = Vec::loadu(forward.x_scale + c + q * W, n);
       b.shift[q] = Vec::loadu(forward.bias + c + q * W, n);

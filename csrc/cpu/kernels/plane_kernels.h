@@ -235,7 +235,7 @@ struct PlaneKernels {
     template <typename C, typename L>
     C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
       Vec v[P];
-      if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+      IO::load_lanes(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
         if constexpr (kPlainRuns) {
           sums.run[0][c + q] = sums.run[0][c + q] + v[q];
@@ -271,11 +271,11 @@ struct PlaneKernels {
     template <typename C, typename L>
     C10_ALWAYS_INLINE void chunk(int64_t off, C c, L lanes) {
       Vec v[P];
-      if (lanes == K) IO::load(x + off, v); else IO::load_partial(x + off, lanes, v);
+      IO::load_lanes(x + off, lanes, v);
       for (int q = 0; q < P; ++q) {
         Vec d = v[q] - centre;
         // Lanes past the row must not add (0 - centre)^2.
-        if (lanes < K) d = Vec::set(Vec(acc_t(0)), d, std::clamp<int64_t>(lanes - q * W, 0, W));
+        if (lanes < K) d = Vec::set(Vec(acc_t(0)), d, IO::part_lanes(lanes, q));
         sums.run[0][c + q] = at::vec::fmadd(d, d, sums.run[0][c + q]);
       }
     }
@@ -426,9 +426,9 @@ struct PlaneKernels {
     C10_ALWAYS_INLINE void chunk(const T* x, const T* y, T* out, int64_t off, int64_t lanes, const E& ep,
                                  bool stream) const {
       Vec xv[P], yv[P];
-      if (lanes == K) IO::load(x + off, xv); else IO::load_partial(x + off, lanes, xv);
+      IO::load_lanes(x + off, lanes, xv);
       if (y) {
-        if (lanes == K) IO::load(y + off, yv); else IO::load_partial(y + off, lanes, yv);
+        IO::load_lanes(y + off, lanes, yv);
         bound.apply(off, lanes, xv, yv);
         ep.store_dz(off, lanes, yv);
       }

@@ -4,7 +4,6 @@
 // four rows per chunk.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include <c10/macros/Macros.h>
@@ -35,7 +34,7 @@ struct RowAffine {
                                                              int64_t lanes = K) {
     ChunkCoefficients k;
     for (int q = 0; q < P; ++q) {
-      const int64_t n = std::clamp<int64_t>(lanes - q * W, 0, W);  // W (a full load) but in a partial chunk
+      const int64_t n = IO::part_lanes(lanes, q);  // W (a full load) but in a partial chunk
       k.mean[q] = Vec::loadu(c.mean + j + q * W, n);
       k.x_scale[q] = Vec::loadu(c.x_scale + j + q * W, n);
       k.bias[q] = Vec::loadu(c.bias + j + q * W, n);
@@ -52,9 +51,9 @@ struct RowAffine {
   C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
                                              const Bound& bound, const E& ep, bool stream, int64_t lanes = K) {
     Vec xv[P], yv[P];
-    if (lanes == K) IO::load(x + off, xv); else IO::load_partial(x + off, lanes, xv);
+    IO::load_lanes(x + off, lanes, xv);
     if (y) {
-      if (lanes == K) IO::load(y + off, yv); else IO::load_partial(y + off, lanes, yv);
+      IO::load_lanes(y + off, lanes, yv);
       bound.apply(off, lanes, xv, yv);
       ep.store_dz(off, lanes, yv);
     }

@@ -119,6 +119,15 @@ struct Io {
       std::tie(v[0], v[1]) = at::vec::convert_to_float<T>(load_partial_chunk(p, n));
     }
   }
+  // n (<= kChunk) elements: load() of a full chunk, else load_partial().
+  C10_ALWAYS_INLINE static void load_lanes(const T* p, int64_t n, Vec (&v)[kParts]) {
+    if (n == kChunk) load(p, v);
+    else load_partial(p, n, v);
+  }
+  // Of a chunk's first `lanes` elements, how many fall in its part q (a Vec).
+  static constexpr int64_t part_lanes(int64_t lanes, int q) {
+    return lanes - q * kWidth < 0 ? 0 : (lanes - q * kWidth > kWidth ? kWidth : lanes - q * kWidth);
+  }
   static void store_partial(T* p, int64_t n, const Vec (&v)[kParts]) {
     if constexpr (kParts == 1) {
       v[0].store(p, n);
