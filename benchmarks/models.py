@@ -73,6 +73,8 @@ class ModelResult:
     opaque_speedup_max: Optional[float] = None
     fused_speedup_min: Optional[float] = None
     fused_speedup_max: Optional[float] = None
+    # With --autocast: the dtype the steps ran under torch.autocast with.
+    autocast: Optional[str] = None
 
 
 def _opaque_inductor(gm, example_inputs):
@@ -96,19 +98,29 @@ def raise_recompile_limits() -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
 
 
-def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor) -> Callable:
-    """One iteration, finished on the device (a CUDA step waits for its kernels)."""
+def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor,
+             autocast: Optional[str] = None) -> Callable:
+    """One iteration, finished on the device (a CUDA step waits for its kernels);
+    with `autocast` (a dtype's name) the forward runs under torch.autocast, as
+    mixed-precision training runs it."""
     wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
+    def forward() -> torch.Tensor:
+        if autocast is None:
+            return run(x)
+        with torch.autocast(x.device.type, dtype=getattr(torch, autocast)):
+            return run(x)
+
     if mode == "eval":
         def step() -> None:
             with torch.no_grad():
-                run(x)
+                forward()
             wait()
         return step
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     def step() -> None:
-        loss = torch.nn.functional.cross_entropy(run(x), target)
+        loss = torch.nn.functional.cross_entropy(forward().float(), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -119,7 +131,7 @@ def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, 
 
 def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int, resolution: int,
              iters: int, rounds: int, warmup: int, opaque: bool, num_classes: int = 1000,
-             fuse: bool = False, device: str = "cpu") -> ModelResult:
+             fuse: bool = False, device: str = "cpu", autocast: Optional[str] = None) -> ModelResult:
     """Time one case; every variant's iterations alternate, round by round."""
     torch.manual_seed(0)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -146,7 +158,7 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
             run = torch.compile(model, backend=_opaque_inductor)
         else:
             run = torch.compile(model)  # the default backend, inductor
-        steps[name] = _step_fn(model, run, mode, x, target)
+        steps[name] = _step_fn(model, run, mode, x, target, autocast)
         for _ in range(warmup):
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -161,7 +173,7 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
                 times[name].append(time.perf_counter() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     result = ModelResult(model_name, mode, layout, execution, batch, resolution, round(ms["native"], 3),
-                         round(ms["ours"], 3), round(ms["native"] / ms["ours"], 3), device=device)
+                         round(ms["ours"], 3), round(ms["native"] / ms["ours"], 3), device=device, autocast=autocast)
     if "opaque" in ms:
         result.opaque_ms = round(ms["opaque"], 3)
         result.opaque_speedup = round(ms["native"] / ms["opaque"], 3)
@@ -173,7 +185,7 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
 
 def run(model_name: str, modes, layouts, executions, batch: int, resolution: int, iters: int, rounds: int,
         warmup: int, opaque: bool, num_classes: int = 1000, log=print, fuse: bool = False,
-        device: str = "cpu") -> list[ModelResult]:
+        device: str = "cpu", autocast: Optional[str] = None) -> list[ModelResult]:
     """Every case; prints a row as each finishes."""
     raise_recompile_limits()
     log(table_header(opaque, fuse))
@@ -182,7 +194,7 @@ def run(model_name: str, modes, layouts, executions, batch: int, resolution: int
         for mode in modes:
             for layout in layouts:
                 r = run_case(model_name, mode, layout, execution, batch, resolution, iters, rounds, warmup,
-                             opaque, num_classes, fuse, device)
+                             opaque, num_classes, fuse, device, autocast)
                 results.append(r)
                 log(table_row(r))
     return results
@@ -256,6 +268,8 @@ def add_arguments(parser) -> None:
                        help="compiled cases also time ours with torch_bn_grad.config.compile_lowering off")
     group.add_argument("--fuse", action="store_true",
                        help="also time ours converted with convert_batchnorm(fuse=True) (BatchNorm+act(+add) fused)")
+    group.add_argument("--autocast", choices=("bfloat16", "float16"),
+                       help="run the forward under torch.autocast with this dtype (mixed precision)")
 
 
 def summary(results: list[ModelResult]) -> str:
@@ -278,6 +292,8 @@ def process_argv(args) -> list[str]:
             "--warmup", str(args.warmup), "--modes", args.modes, "--executions", args.executions,
             "--layouts", args.layouts, "--num-classes", str(args.num_classes)]
     argv += ["--opaque"] * args.opaque + ["--fuse"] * args.fuse
+    if args.autocast:
+        argv += ["--autocast", args.autocast]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     return argv
@@ -290,7 +306,8 @@ def main(args, script: Path) -> None:
     processes = f", median of {args.processes} processes" if args.processes > 1 else ""
     print(f"torch {torch.__version__}, {where}, {args.model}, batch {args.batch_size}, "
           f"{args.resolution}x{args.resolution}, median of {args.rounds} rounds x {args.iters} iterations"
-          f"{processes}, compile_lowering={config.compile_lowering}")
+          f"{processes}, compile_lowering={config.compile_lowering}"
+          f"{f', autocast {args.autocast}' if args.autocast else ''}")
     if args.processes > 1:
         tables = _processes.run(script, process_argv(args), args.processes)
         results = [ModelResult(**row) for row in _processes.merge(tables, _processes.MODELS)]
@@ -300,7 +317,7 @@ def main(args, script: Path) -> None:
     else:
         results = run(args.model, args.modes.split(","), args.layouts.split(","), args.executions.split(","),
                       args.batch_size, args.resolution, args.iters, args.rounds, args.warmup, args.opaque,
-                      args.num_classes, fuse=args.fuse, device=args.device)
+                      args.num_classes, fuse=args.fuse, device=args.device, autocast=args.autocast)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)

@@ -4,7 +4,7 @@ and fused (``convert_batchnorm(fuse=True)``), one after the other in one process
 
     python benchmarks/profile_model.py [--model resnet50] [--device cuda] [--layout channels_last]
                                        [--batch-size 64] [--resolution 224] [--steps 3] [--rows 30]
-                                       [--by-shape | --breakdown] [--compile]
+                                       [--by-shape | --breakdown] [--compile] [--autocast bfloat16|float16]
 
 The "Self CUDA time total" (or CPU total on the CPU) line of each table is the
 sum over ``--steps`` steps; the wall time of a step is the model benchmark's
@@ -24,6 +24,10 @@ for ``--by-shape``).
 default inductor backend), inductor's CPU kernels named by their fused
 operators: a kernel whose name holds ``batch_norm`` counts as batch norm,
 whatever activation or addition inductor fused into it.
+
+``--autocast`` runs the forward under ``torch.autocast`` with that dtype
+(mixed precision: the batch norms take the convolutions' half-precision
+outputs).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def main() -> None:
                         help="self time per step by kind of operator, and the speedup bound of ours and fused")
     parser.add_argument("--compile", action="store_true",
                         help="profile the models compiled with torch.compile (inductor), CPU kernels named")
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"),
+                        help="run the forward under torch.autocast with this dtype")
     args = parser.parse_args()
     if args.by_shape and args.breakdown:
         parser.error("--by-shape and --breakdown: choose one")
@@ -79,6 +85,8 @@ def main() -> None:
         _compat.inductor_kernel_profile()
         raise_recompile_limits()
         runs = {name: torch.compile(model) for name, model in models.items()}
+    if args.autocast:
+        runs = {name: _under_autocast(run, args.device, getattr(torch, args.autocast)) for name, run in runs.items()}
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution).to(args.device, memory_format=fmt)
     target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -88,13 +96,14 @@ def main() -> None:
             models, runs, x, target, args.steps, False,
             lambda prof: step_breakdown.by_kind((e.key, e.self_cpu_time_total) for e in prof.key_averages()))
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}"
-              f"{', compiled' if args.compile else ''}, self time per training step (CPU, ms), by kind of operator")
+              f"{', compiled' if args.compile else ''}{_autocast_note(args)}, self time per training step (CPU, ms), "
+              f"by kind of operator")
         print("\n".join(step_breakdown.report(kinds)))
         return
     if args.by_shape:
         shapes = _interleaved_per_step(models, runs, x, target, args.steps, True, _batch_norm_by_shape)
-        print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
-              f"batch norm self time per training step (CPU, us), by input shape")
+        print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}"
+              f"{_autocast_note(args)}, batch norm self time per training step (CPU, us), by input shape")
         for key in sorted(shapes["native"]):
             n, o = shapes["native"][key], shapes["ours"].get(key, float("nan"))
             print(f"{key[0]:9s} {key[1]:20s} native {n:9.1f}  ours {o:9.1f}  {n / o:5.2f}x")
@@ -106,6 +115,18 @@ def main() -> None:
               f"{args.steps} {'compiled ' if args.compile else ''}training steps on {args.device}")
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=110))
+
+
+def _under_autocast(run, device: str, dtype: torch.dtype):
+    """`run` with its forward under torch.autocast(device, dtype)."""
+    def forward(x):
+        with torch.autocast(device, dtype=dtype):
+            return run(x)
+    return forward
+
+
+def _autocast_note(args) -> str:
+    return f", autocast {args.autocast}" if args.autocast else ""
 
 
 # The batch norm operators of both implementations, forward and backward.
@@ -147,7 +168,7 @@ def _profile(model, run, x, target, steps: int, activities, sync, shapes: bool =
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(run(x), target).backward()
+        torch.nn.functional.cross_entropy(run(x).float(), target).backward()
         optimizer.step()
 
     for _ in range(steps):

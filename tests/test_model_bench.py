@@ -11,6 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -242,3 +243,25 @@ def test_processes_of_a_package_outside_the_source_tree_time_that_package(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert "process 2/2 done" in done.stdout
     assert mark.read_text().count("imported") == 3  # the parent and both processes
+
+
+def test_model_bench_autocast_runs_the_forward_in_that_dtype(tmp_path):
+    # The step's convolutions (and so the BatchNorms' inputs) are bfloat16 under --autocast.
+    model = _models.MODELS["resnet18"](num_classes=10)
+    seen = []
+    model.bn1.register_forward_hook(lambda m, inputs, output: seen.append(inputs[0].dtype))
+    x, target = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    _model_bench._step_fn(model, model, "train", x, target, "bfloat16")()
+    _model_bench._step_fn(model, model, "eval", x, target)()
+    assert seen == [torch.bfloat16, torch.float32]
+    assert all(p.grad is None for p in model.parameters())  # the optimizer's step zeroed them
+    path = tmp_path / "amp.json"
+    bench.main(["--model", "resnet18", "--batch-size", "2", "--resolution", "32", "--iters", "1", "--rounds", "1",
+                "--warmup", "1", "--executions", "eager", "--modes", "train", "--layouts", "channels_last",
+                "--num-classes", "10", "--autocast", "bfloat16", "--json", str(path)])
+    (row,) = json.loads(path.read_text())
+    assert row["autocast"] == "bfloat16" and row["ours_ms"] > 0
+    args = SimpleNamespace(model="resnet18", device="cpu", batch_size=2, resolution=32, iters=1, rounds=1, warmup=1,
+                           modes="train", executions="eager", layouts="contiguous", num_classes=10, opaque=False,
+                           fuse=False, threads=None, autocast="float16")
+    assert _model_bench.process_argv(args)[-2:] == ["--autocast", "float16"]
