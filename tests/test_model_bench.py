@@ -249,7 +249,8 @@ def test_model_bench_autocast_runs_the_forward_in_that_dtype(tmp_path):
     # The step's convolutions (and so the BatchNorms' inputs) are bfloat16 under --autocast.
     model = _models.MODELS["resnet18"](num_classes=10)
     seen = []
-    model.bn1.register_forward_hook(lambda m, inputs, output: seen.append(inputs[0].dtype))
+    first_bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    first_bn.register_forward_hook(lambda m, inputs, output: seen.append(inputs[0].dtype))
     x, target = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     _model_bench._step_fn(model, model, "train", x, target, "bfloat16")()
     _model_bench._step_fn(model, model, "eval", x, target)()
