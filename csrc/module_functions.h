@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace torch_bn_grad {
 
@@ -33,5 +34,11 @@ OutputCacheStats output_cache_stats();
 void set_output_cache_limit(int64_t bytes);
 // Frees every idle block (blocks in use are unaffected).
 void empty_output_cache();
+
+// Makes the Autograd kernel of operator `op_name` (of this library) skip
+// autograd in C++ when a call records nothing, and otherwise call the Python
+// callable `record` with the operator's arguments (python_autograd.cpp). The
+// caller holds the GIL. (`_object` is Python.h's PyObject, left undeclared.)
+void register_python_autograd(const std::string& op_name, struct _object* record);
 
 }  // namespace torch_bn_grad

@@ -81,6 +81,22 @@ PyObject* empty_output_cache(PyObject*, PyObject*) {
   });
 }
 
+// `register_python_autograd(op_name, record)`: see module_functions.h.
+PyObject* register_python_autograd(PyObject*, PyObject* args) {
+  const char* op_name = nullptr;
+  PyObject* record = nullptr;
+  if (!PyArg_ParseTuple(args, "sO:register_python_autograd", &op_name, &record)) return nullptr;
+  if (!PyCallable_Check(record)) {
+    PyErr_Format(PyExc_TypeError, "register_python_autograd: expected a callable record, got %s",
+                 Py_TYPE(record)->tp_name);
+    return nullptr;
+  }
+  return raising_python_errors([&]() -> PyObject* {
+    torch_bn_grad::register_python_autograd(op_name, record);
+    Py_RETURN_NONE;
+  });
+}
+
 PyMethodDef methods[] = {
     {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
      "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
@@ -89,6 +105,8 @@ PyMethodDef methods[] = {
     {"output_cache_info", output_cache_info, METH_NOARGS, "Counters of the CPU output cache."},
     {"set_output_cache_limit", set_output_cache_limit, METH_O, "Most idle bytes the CPU output cache keeps."},
     {"empty_output_cache", empty_output_cache, METH_NOARGS, "Frees the CPU output cache's idle blocks."},
+    {"register_python_autograd", register_python_autograd, METH_VARARGS,
+     "Autograd kernel of an operator: below autograd in C++ when nothing is recorded, else a Python callable."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

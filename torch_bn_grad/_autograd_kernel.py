@@ -17,20 +17,14 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.autograd import forward_ad
 
+from torch_bn_grad import _C
 from torch_bn_grad._compat import (
     AutoDispatchBelowAutograd,
-    DispatchKeySet,
     OpOverload,
     SingleLevelFunction,
-    after_autograd_keyset,
-    any_requires_grad,
     enable_single_level_autograd_function,
-    forward_ad_level,
 )
-
-_LIBRARY = torch.library.Library("torch_bn_grad", "IMPL")
 
 
 def register_autograd(
@@ -53,17 +47,17 @@ def register_autograd(
     function = type(f"{op._opname}_autograd", (SingleLevelFunction,), methods)  # SingleLevelFunction: see _compat
     plain_apply = function.apply
 
-    def kernel(keyset: DispatchKeySet, *args: Any) -> Any:
-        # Dual inputs go to the Function too: its jvp runs, or, without one,
-        # forward-mode AD raises instead of dropping tangents.
-        if (torch.is_grad_enabled() and any_requires_grad(*args)) or _has_tangent(args):
-            # Allowed here, under torch.func, because this node is one level's.
-            with enable_single_level_autograd_function():
-                return plain_apply(*args)
-        with AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & after_autograd_keyset, *args)
+    def record(*args: Any) -> Any:
+        # Called for dual inputs too: the Function's jvp runs, or, without
+        # one, forward-mode AD raises instead of dropping tangents.
+        # Allowed here, under torch.func, because this node is one level's.
+        with enable_single_level_autograd_function():
+            return plain_apply(*args)
 
-    _LIBRARY.impl(op._opname, kernel, "Autograd", with_keyset=True)
+    # A call that records nothing (no grad mode or no input requiring grad,
+    # and no tangent) skips autograd in C++ (csrc/python_autograd.cpp); the
+    # others call `record`.
+    _C.register_python_autograd(op._opname, record)
 
 
 def _forward_below_autograd(op: OpOverload, *args: Any) -> Any:
@@ -76,10 +70,3 @@ def _forward_below_autograd(op: OpOverload, *args: Any) -> Any:
     """
     with torch.enable_grad(), AutoDispatchBelowAutograd():
         return op(*args)
-
-
-def _has_tangent(args: tuple) -> bool:
-    """Whether any argument is a forward-mode AD dual tensor."""
-    return forward_ad_level() >= 0 and any(
-        isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args
-    )

@@ -57,24 +57,14 @@ def _lookup(module: str, name: str) -> Any:
 # Autograd kernels that also work under torch.func (see _autograd_kernel.py).
 enable_single_level_autograd_function = _lookup("torch._functorch.utils", "enable_single_level_autograd_function")
 AutoDispatchBelowAutograd = _lookup("torch._C", "_AutoDispatchBelowAutograd")
-after_autograd_keyset = _lookup("torch._C", "_after_autograd_keyset")
-any_requires_grad = _lookup("torch._C", "_any_requires_grad")
-DispatchKeySet = _lookup("torch._C", "DispatchKeySet")
 OpOverload = _lookup("torch._ops", "OpOverload")
 # An autograd.Function whose apply records one node and never reroutes to
 # torch.func's custom_function_call (torch >= 2.14 reroutes the C++ apply too).
 SingleLevelFunction = _lookup("torch.autograd.function", "_SingleLevelFunction")
-_forward_ad = importlib.import_module("torch.autograd.forward_ad")
-_lookup("torch.autograd.forward_ad", "_current_level")
 
 
 # A tensor that torch.func wraps (vmap's BatchedTensor, grad's GradTrackingTensor).
 is_functorch_wrapped_tensor = _lookup("torch._C._functorch", "is_functorch_wrapped_tensor")
-
-
-def forward_ad_level() -> int:
-    """The innermost active forward-mode AD level (-1: none)."""
-    return _forward_ad._current_level
 
 
 # Traceable collectives for SyncBatchNorm (distributed.py).
