@@ -68,9 +68,9 @@ struct RowAffine {
     ep.stored(out, off, lanes, xv);
   }
 
-  // affine() over whole rows of G chunks (and a partial chunk of under K
-  // channels), one row after the other, every chunk's coefficients held in
-  // registers for the whole block instead of reloaded each row.
+  // affine() over whole rows of G chunks (G may be 0) and a partial chunk of
+  // under K channels, one row after the other, every chunk's coefficients
+  // held in registers for the whole block instead of reloaded each row.
   template <int G, typename E>
   static void few_chunk_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                           math::AffineArrays<acc_t> c, const E& ep, bool stream) {
@@ -110,9 +110,16 @@ struct RowAffine {
     // channels_last 32-64 channels and rows of 32-64 channels, float32 and
     // bfloat16, took 0.83x-1.0x the time forward and backward, eval
     // 0.74x-0.99x (A/B in one process, 2 threads).
+    // Rows narrower than a chunk (channels_last 16 and 24 half-precision
+    // channels: MobileNet's, EfficientNet's) are one partial chunk each,
+    // whose coefficients the row-by-row walk reloaded (masked) every row:
+    // channels_last 32x24x56x56 eval took 0.60x (bfloat16) and 0.46x
+    // (float16) the time in registers, 32x16x112x112 0.55x-0.69x and
+    // 0.46x-0.62x (old and new builds in alternating processes, 2 threads).
     constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
     if (c0 == 0 && c1 == C) {
       switch (C / K) {
+        case 0: return few_chunk_rows<0>(x, y, out, e, blk, c, ep, stream);
         case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep, stream);
         case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream); break;
         case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream); break;
