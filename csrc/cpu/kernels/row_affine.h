@@ -112,10 +112,11 @@ struct RowAffine {
     // 0.74x-0.99x (A/B in one process, 2 threads).
     // Rows narrower than a chunk (channels_last 16 and 24 half-precision
     // channels: MobileNet's, EfficientNet's) are one partial chunk each,
-    // whose coefficients the row-by-row walk reloaded (masked) every row:
-    // channels_last 32x24x56x56 eval took 0.60x (bfloat16) and 0.46x
-    // (float16) the time in registers, 32x16x112x112 0.55x-0.69x and
-    // 0.46x-0.62x (old and new builds in alternating processes, 2 threads).
+    // whose coefficients the row-by-row walk reloaded (masked) every row;
+    // in registers, channels_last 32x24x56x56 eval took 0.41x-0.83x
+    // (bfloat16) and 0.44x-0.49x (float16) the time, 32x16x112x112
+    // 0.53x-0.71x and 0.38x-0.46x (old and new builds in alternating
+    // processes, two each, 2 threads).
     constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
     if (c0 == 0 && c1 == C) {
       switch (C / K) {
