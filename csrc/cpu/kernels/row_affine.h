@@ -105,8 +105,8 @@ struct RowAffine {
     // the arrays' pointers included, unless their address never escapes.
     const math::AffineArrays<acc_t> c = arrays;
     const int64_t c0 = blk.s0, c1 = blk.s1;
-    // Whole rows of up to kFewChunks chunks (64 float32 or bfloat16
-    // channels) keep their coefficients in registers for the whole block:
+    // Whole rows of up to kFewChunks chunks (64 float32 channels) keep
+    // their coefficients in registers for the whole block:
     // channels_last 32-64 channels and rows of 32-64 channels, float32 and
     // bfloat16, took 0.83x-1.0x the time forward and backward, eval
     // 0.74x-0.99x (A/B in one process, 2 threads).
@@ -116,8 +116,15 @@ struct RowAffine {
     // in registers, channels_last 32x24x56x56 eval took 0.41x-0.83x
     // (bfloat16) and 0.44x-0.49x (float16) the time, 32x16x112x112
     // 0.53x-0.71x and 0.38x-0.46x (old and new builds in alternating
-    // processes, two each, 2 threads).
-    constexpr int kFewChunks = P >= 4 ? 1 : 4 / P;
+    // processes, two each, 2 threads). Half precision takes rows of up to
+    // four chunks too (128 channels; two before, the coefficients of four
+    // filling more registers than there are, so some come from the stack):
+    // channels_last 32x112x14x14 (three chunks and a partial one) eval
+    // 0.70x-0.92x the time, forward 0.76x-0.98x, backward 0.80x-0.99x;
+    // 32x96x28x28 eval 0.86x-0.96x, forward and backward within the
+    // noise, 0.72x-1.28x (bfloat16 and float16, four rounds of the same
+    // A/B).
+    constexpr int kFewChunks = P >= 4 ? 1 : 4;
     if (c0 == 0 && c1 == C) {
       switch (C / K) {
         case 0: return few_chunk_rows<0>(x, y, out, e, blk, c, ep, stream);
