@@ -117,21 +117,28 @@ struct RowAffine {
     // (bfloat16) and 0.44x-0.49x (float16) the time, 32x16x112x112
     // 0.53x-0.71x and 0.38x-0.46x (old and new builds in alternating
     // processes, two each, 2 threads). Half precision takes rows of up to
-    // four chunks too (128 channels; two before, the coefficients of four
-    // filling more registers than there are, so some come from the stack):
-    // channels_last 32x112x14x14 (three chunks and a partial one) eval
-    // 0.70x-0.92x the time, forward 0.76x-0.98x, backward 0.80x-0.99x;
-    // 32x96x28x28 eval 0.86x-0.96x, forward and backward within the
-    // noise, 0.72x-1.28x (bfloat16 and float16, four rounds of the same
-    // A/B).
+    // four chunks too (128 channels; two before) where there is no second
+    // input: channels_last 32x112x14x14 (three chunks and a partial one)
+    // eval 0.70x-0.92x the time, forward 0.76x-0.98x; 32x128x28x28 eval
+    // 0.83x-0.92x (bfloat16 and float16, the same A/B). The backward's
+    // coefficients of four half-precision chunks (dy_scale too: eight
+    // vectors a chunk) fill more registers than there are, and its float16
+    // 32x128x28x28 took 1.15x-1.2x the time, so it keeps two.
     constexpr int kFewChunks = P >= 4 ? 1 : 4;
+    const int few_chunks = y != nullptr && P == 2 ? 2 : kFewChunks;
     if (c0 == 0 && c1 == C) {
       switch (C / K) {
         case 0: return few_chunk_rows<0>(x, y, out, e, blk, c, ep, stream);
         case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep, stream);
         case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream); break;
-        case 3: if constexpr (kFewChunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream); break;
-        case 4: if constexpr (kFewChunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream); break;
+        case 3:
+          if constexpr (kFewChunks >= 3)
+            if (few_chunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream);
+          break;
+        case 4:
+          if constexpr (kFewChunks >= 4)
+            if (few_chunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream);
+          break;
         default: break;
       }
     }
