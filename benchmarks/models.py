@@ -98,29 +98,37 @@ def raise_recompile_limits() -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
 
 
+def under_autocast(run: Callable, device_type: str, autocast: Optional[str]) -> Callable:
+    """`run` with its forward under torch.autocast(device_type) with `autocast`
+    (a dtype's name), or `run` itself when `autocast` is None."""
+    if autocast is None:
+        return run
+    dtype = getattr(torch, autocast)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=dtype):
+            return run(x)
+
+    return forward
+
+
 def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor,
              autocast: Optional[str] = None) -> Callable:
     """One iteration, finished on the device (a CUDA step waits for its kernels);
     with `autocast` (a dtype's name) the forward runs under torch.autocast, as
     mixed-precision training runs it."""
     wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-
-    def forward() -> torch.Tensor:
-        if autocast is None:
-            return run(x)
-        with torch.autocast(x.device.type, dtype=getattr(torch, autocast)):
-            return run(x)
-
+    forward = under_autocast(run, x.device.type, autocast)
     if mode == "eval":
         def step() -> None:
             with torch.no_grad():
-                forward()
+                forward(x)
             wait()
         return step
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     def step() -> None:
-        loss = torch.nn.functional.cross_entropy(forward().float(), target)
+        loss = torch.nn.functional.cross_entropy(forward(x).float(), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ import torch_bn_grad
 if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import resnets, step_breakdown
-from benchmarks.models import raise_recompile_limits
+from benchmarks.models import raise_recompile_limits, under_autocast
 from torch_bn_grad import _compat
 
 
@@ -85,8 +85,7 @@ def main() -> None:
         _compat.inductor_kernel_profile()
         raise_recompile_limits()
         runs = {name: torch.compile(model) for name, model in models.items()}
-    if args.autocast:
-        runs = {name: _under_autocast(run, args.device, getattr(torch, args.autocast)) for name, run in runs.items()}
+    runs = {name: under_autocast(run, args.device, args.autocast) for name, run in runs.items()}
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution).to(args.device, memory_format=fmt)
     target = torch.randint(0, 1000, (args.batch_size,)).to(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -115,14 +114,6 @@ def main() -> None:
               f"{args.steps} {'compiled ' if args.compile else ''}training steps on {args.device}")
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=110))
-
-
-def _under_autocast(run, device: str, dtype: torch.dtype):
-    """`run` with its forward under torch.autocast(device, dtype)."""
-    def forward(x):
-        with torch.autocast(device, dtype=dtype):
-            return run(x)
-    return forward
 
 
 def _autocast_note(args) -> str:

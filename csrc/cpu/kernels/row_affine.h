@@ -105,7 +105,7 @@ struct RowAffine {
     // the arrays' pointers included, unless their address never escapes.
     const math::AffineArrays<acc_t> c = arrays;
     const int64_t c0 = blk.s0, c1 = blk.s1;
-    // Whole rows of up to kFewChunks chunks (64 float32 channels) keep
+    // Whole rows of up to four chunks (64 float32 channels) keep
     // their coefficients in registers for the whole block:
     // channels_last 32-64 channels and rows of 32-64 channels, float32 and
     // bfloat16, took 0.83x-1.0x the time forward and backward, eval
@@ -124,22 +124,14 @@ struct RowAffine {
     // coefficients of four half-precision chunks (dy_scale too: eight
     // vectors a chunk) fill more registers than there are, and its float16
     // 32x128x28x28 took 1.15x-1.2x the time, so it keeps two.
-    constexpr int kFewChunks = P >= 4 ? 1 : 4;
-    const int few_chunks = y != nullptr && P == 2 ? 2 : kFewChunks;
-    if (c0 == 0 && c1 == C) {
+    const int few_chunks = y != nullptr && P == 2 ? 2 : 4;
+    if (c0 == 0 && c1 == C && C / K <= few_chunks) {
       switch (C / K) {
         case 0: return few_chunk_rows<0>(x, y, out, e, blk, c, ep, stream);
         case 1: return few_chunk_rows<1>(x, y, out, e, blk, c, ep, stream);
-        case 2: if constexpr (kFewChunks >= 2) return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream); break;
-        case 3:
-          if constexpr (kFewChunks >= 3)
-            if (few_chunks >= 3) return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream);
-          break;
-        case 4:
-          if constexpr (kFewChunks >= 4)
-            if (few_chunks >= 4) return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream);
-          break;
-        default: break;
+        case 2: return few_chunk_rows<2>(x, y, out, e, blk, c, ep, stream);
+        case 3: return few_chunk_rows<3>(x, y, out, e, blk, c, ep, stream);
+        case 4: return few_chunk_rows<4>(x, y, out, e, blk, c, ep, stream);
       }
     }
     // Whole rows are walked one after the other, in memory order (one read
