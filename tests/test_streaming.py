@@ -3,7 +3,8 @@
 An elementwise pass that moves 48 MB or more (its inputs and output) writes
 its output with non-temporal stores where lines (plane rows, or rows of
 channels) start on a cache line (``streams_output`` in
-``csrc/cpu/kernels/partition.h``), one intrinsic per ISA. The outputs here
+``csrc/cpu/kernels/partition.h``), one intrinsic per ISA; rows of 16
+channels, walked as one flat run (``tiled_rows``), where the run does. The outputs here
 are 24 MB or more, so that the forward's and eval's passes (x and out)
 stream as well as the backward's (x, dy and dx). Each ISA copy runs in
 its own process (``ATEN_CPU_CAPABILITY``) and is checked against float64
@@ -23,7 +24,7 @@ import json, torch, torch.nn.functional as F, torch_bn_grad
 g = torch.Generator().manual_seed(11)
 cases = [((32, 64, 56, 56), torch.float32, False), ((32, 64, 56, 56), torch.float32, True),
          ((6272, 1024), torch.float32, False), ((32, 64, 80, 80), torch.bfloat16, False),
-         ((32, 64, 80, 80), torch.bfloat16, True)]
+         ((32, 64, 80, 80), torch.bfloat16, True), ((64, 16, 112, 112), torch.bfloat16, True)]
 errors = []
 for shape, dtype, channels_last in cases:
     assert 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() >= 48 << 20

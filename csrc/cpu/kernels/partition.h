@@ -215,15 +215,21 @@ inline bool reduces_as_segments(const Blocks& b, const Extent& e, size_t element
 constexpr int64_t kStreamPassBytes = int64_t{48} << 20;
 
 // Whether an elementwise pass over `operands` tensors of e's size (the output
-// included) writes `out` with streaming stores: it moves kStreamPassBytes or
-// more, and every line (a plane row, or a row of channels) starts on a cache
-// line, so that full chunks are aligned stores that fill whole lines.
-inline bool streams_output(const void* out, const Extent& e, size_t element_bytes, int operands) {
-  constexpr int64_t kLine = 64;
+// included) moves kStreamPassBytes or more, with `out` on a cache line: the
+// walk that streams must keep its full chunks on lines too.
+inline bool streams_pass(const void* out, const Extent& e, size_t element_bytes, int operands) {
   const auto bytes = static_cast<int64_t>(element_bytes);
-  const int64_t line_bytes = (e.inner > 1 ? e.inner : e.channels) * bytes;
-  return operands * e.outer * e.channels * e.inner * bytes >= kStreamPassBytes && line_bytes % kLine == 0 &&
-         reinterpret_cast<uintptr_t>(out) % kLine == 0;
+  return operands * e.outer * e.channels * e.inner * bytes >= kStreamPassBytes &&
+         reinterpret_cast<uintptr_t>(out) % kCacheLineBytes == 0;
+}
+
+// Whether a walk line by line (a plane row, or a row of channels) writes
+// `out` with streaming stores: a large pass (streams_pass) whose every line
+// starts on a cache line, so that full chunks are aligned stores that fill
+// whole lines.
+inline bool streams_output(const void* out, const Extent& e, size_t element_bytes, int operands) {
+  const int64_t line_bytes = (e.inner > 1 ? e.inner : e.channels) * static_cast<int64_t>(element_bytes);
+  return streams_pass(out, e, element_bytes, operands) && line_bytes % static_cast<int64_t>(kCacheLineBytes) == 0;
 }
 
 // Both passes of an operator per channel (reduce, then apply while the

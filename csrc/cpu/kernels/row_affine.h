@@ -1,10 +1,12 @@
 // The row kernels' elementwise pass: out = dy_scale * y + x_scale * (x - mean)
 // + bias over a block of rows when channels are innermost (inner == 1,
 // partition.h), row by row in memory order or, on segments of longer rows,
-// four rows per chunk.
+// four rows per chunk; rows of a few channels as one flat run.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
 
 #include <c10/macros/Macros.h>
 
@@ -84,6 +86,50 @@ struct RowAffine {
     }
   }
 
+  // affine() over whole rows of C channels, C not a multiple of K, whose
+  // pattern repeats every G chunks (G = C / gcd(C, K): 16 half-precision
+  // channels two rows a chunk, 24 four rows in three): the block is one flat
+  // run of whole chunks, each lane's coefficients those of its channel, held
+  // in registers, instead of a masked partial chunk in every row. Only for
+  // epilogues whose hooks address elements by offset (E::kSegmentChunks).
+  template <int G, typename E>
+  static void tiled_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
+                         math::AffineArrays<acc_t> c, const E& ep, bool stream) {
+    const int64_t C = e.channels;
+    alignas(64) acc_t tile[4][G * K];  // mean, dy_scale, x_scale, bias: lane l holds channel l % C
+    for (int64_t l = 0; l < G * K; ++l) {
+      const int64_t k = l % C;
+      tile[0][l] = c.mean[k];
+      tile[1][l] = y ? c.dy_scale[k] : acc_t(0);
+      tile[2][l] = c.x_scale[k];
+      tile[3][l] = c.bias[k];
+    }
+    const math::AffineArrays<acc_t> tiled{tile[0], tile[1], tile[2], tile[3]};
+    ChunkCoefficients k[G];
+    for (int g = 0; g < G; ++g) k[g] = coefficients_at(tiled, g * K, y != nullptr);
+    const auto bound = ep.columns(0);
+    const int64_t end = blk.o1 * C;
+    int64_t off = blk.o0 * C;
+    // Streaming stores need every chunk on a cache line.
+    stream = stream && off * static_cast<int64_t>(sizeof(T)) % static_cast<int64_t>(kCacheLineBytes) == 0;
+    for (; off + G * K <= end; off += G * K)
+      for (int g = 0; g < G; ++g) affine_chunk(x, y, out, off + g * K, k[g], bound, ep, stream);
+    for (int g = 0; off < end; ++g, off += K) {
+      const int64_t lanes = std::min(K, end - off);
+      affine_chunk(x, y, out, off, k[g], ep.columns(0, lanes), ep, stream, lanes);
+    }
+  }
+
+  // Chunks in tiled_rows' period for rows of C channels: 0 where C is a
+  // multiple of K or the period's coefficients would not fit in registers
+  // (three vectors a part, four with y; four half-precision chunks with y
+  // spilled in few_chunk_rows).
+  static int tile_chunks(int64_t C, bool with_y) {
+    const int64_t g = C / std::gcd(C, K);
+    const int64_t vectors = g * P * (with_y ? 4 : 3);
+    return C % K != 0 && g <= 3 && vectors <= 18 ? static_cast<int>(g) : 0;
+  }
+
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
   // null (the forward's normalization, dy_scale unused). The epilogue turns
   // y into dz in the backward, or activates out in the forward.
@@ -91,8 +137,12 @@ struct RowAffine {
   template <typename E = PlainEpilogue<T>>
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                      const math::AffineArrays<acc_t>& arrays, const E& ep = E{}) {
-    const bool stream = streams_output(out, e, sizeof(T), y ? 3 : 2);
-    affine_rows(x, y, out, e, blk, arrays, ep, stream);
+    const int operands = y ? 3 : 2;
+    const int tiles = E::kSegmentChunks && blk.s0 == 0 && blk.s1 == e.channels ? tile_chunks(e.channels, y) : 0;
+    const bool stream = tiles ? streams_pass(out, e, sizeof(T), operands) : streams_output(out, e, sizeof(T), operands);
+    if (tiles == 1) tiled_rows<1>(x, y, out, e, blk, arrays, ep, stream);
+    else if (tiles == 3) tiled_rows<3>(x, y, out, e, blk, arrays, ep, stream);
+    else affine_rows(x, y, out, e, blk, arrays, ep, stream);
     if (stream) stream_fence();
   }
 

@@ -112,7 +112,7 @@ struct Io {
 #endif
   }
   // The first n (< kChunk) elements; the other lanes read as zero.
-  static void load_partial(const T* p, int64_t n, Vec (&v)[kParts]) {
+  C10_ALWAYS_INLINE static void load_partial(const T* p, int64_t n, Vec (&v)[kParts]) {
     if constexpr (kParts == 1) {
       v[0] = Vec::loadu(p, n);
     } else {
@@ -128,7 +128,7 @@ struct Io {
   static constexpr int64_t part_lanes(int64_t lanes, int q) {
     return lanes - q * kWidth < 0 ? 0 : (lanes - q * kWidth > kWidth ? kWidth : lanes - q * kWidth);
   }
-  static void store_partial(T* p, int64_t n, const Vec (&v)[kParts]) {
+  C10_ALWAYS_INLINE static void store_partial(T* p, int64_t n, const Vec (&v)[kParts]) {
     if constexpr (kParts == 1) {
       v[0].store(p, n);
     } else {
