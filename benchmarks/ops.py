@@ -2,7 +2,7 @@
 
     python -m torch_bn_grad.bench (or, in a checkout, python benchmarks/ops.py) [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16,float16] [--layouts contiguous,channels_last]
-                                  [--directions forward,backward,module] [--min-run-time S]
+                                  [--directions forward,backward,module,eval] [--min-run-time S]
                                   [--shapes 32x64x56x56 ...] [--processes N]
     python -m torch_bn_grad.bench --model resnet18|resnet50 [--batch-size 16] [--resolution 112]
                                   [--modes train,eval] [--executions eager,compile] [--layouts ...]
@@ -17,7 +17,8 @@ For each case it prints the median time of torch's native operator and of
 ours (torch.utils.benchmark, same process, interleaved), the speedup, the
 bandwidth ours achieves and its percentage of the bandwidth bound. The bound
 is the operator's minimal memory traffic (forward: read src, write dst;
-backward: read src and diff_dst, write diff_src; module forward+backward: both)
+backward: read src and diff_dst, write diff_src; module forward+backward: both;
+eval, the forward with frozen statistics, on request: read src, write dst)
 divided by the copy bandwidth measured in the same run on tensors of the same
 size, on the same device. ``--processes N`` times the cases in N fresh
 processes and prints, per case, the medians over them and the range of the
@@ -68,7 +69,9 @@ FULL_SHAPES = RESNET50_SHAPES + [(4096, 1024), (4, 32, 32, 64, 64)]
 QUICK_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (32, 2048, 7, 7), (4096, 1024)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYOUTS = ("contiguous", "channels_last")
-DIRECTIONS = ("forward", "backward", "module")
+DIRECTIONS = ("forward", "backward", "module")  # the default set
+# eval: the forward with frozen statistics (inference), on request.
+ALL_DIRECTIONS = DIRECTIONS + ("eval",)
 DEVICES = ("cpu", "cuda")
 
 
@@ -166,6 +169,11 @@ def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str, dev
     if direction == "forward":
         native = lambda: torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)  # noqa: E731
         ours = lambda: torch_bn_grad.batch_norm_forward(x, w, b)  # noqa: E731
+        return native, ours, 2 * nbytes
+    if direction == "eval":
+        _, mean, var = torch_bn_grad.batch_norm_forward(x, w, b)
+        native = lambda: torch.ops.aten.native_batch_norm(x, w, b, mean, var, False, 0.1, 1e-5)  # noqa: E731
+        ours = lambda: torch_bn_grad.batch_norm_forward(x, w, b, mean, var)  # noqa: E731
         return native, ours, 2 * nbytes
     if direction == "backward":
         _, save_mean, save_invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
@@ -278,7 +286,8 @@ def plot(results: list[Result], path: str, device: str = "cpu") -> None:
     points = [_plot.Point(f"{'x'.join(map(str, r.shape))} {r.dtype} {r.layout} {r.direction}", r.speedup,
                           r.direction, r.dtype) for r in results]
     _plot.plot_speedups(points, path, f"torch_bn_grad vs torch {torch.__version__} ({_short_device_name(device)})",
-                        colours={"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green"},
+                        colours={"forward": "tab:blue", "backward": "tab:orange", "module": "tab:green",
+                                 "eval": "tab:purple"},
                         markers={"float32": "o", "bfloat16": "s", "float16": "D", "float64": "^"})
 
 
@@ -291,7 +300,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--directions", default=",".join(DIRECTIONS))
+    parser.add_argument("--directions", default=",".join(DIRECTIONS),
+                        help=f"of {', '.join(ALL_DIRECTIONS)} (eval: frozen statistics); default {','.join(DIRECTIONS)}")
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="NxCx...",
                         help="these shapes instead of the quick (or --full) set, e.g. 32x64x56x56 4096x1024")
@@ -308,6 +318,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--device {args.device}: {problem}")
     if args.processes < 1:
         parser.error(f"--processes: expected a count >= 1, got {args.processes}")
+    unknown = [d for d in args.directions.split(",") if d not in ALL_DIRECTIONS]
+    if unknown:
+        parser.error(f"--directions: expected names of {', '.join(ALL_DIRECTIONS)}, got {', '.join(map(repr, unknown))}")
     if args.model:
         if args.shapes:
             parser.error("--shapes is an option of the operator table, not of --model")

@@ -186,11 +186,33 @@ def test_op_bench_shapes_in_processes_table_and_json(tmp_path, capsys):
         assert r["native_ms"] > 0 and r["ours_ms"] > 0 and r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
 
 
+def test_op_bench_eval_times_frozen_statistics(capsys):
+    native, ours, traffic = bench.make_case((4, 3, 5, 5), torch.float32, "channels_last", "eval")
+    expected, _, _ = torch.ops.aten.native_batch_norm(*_eval_inputs(), False, 0.1, 1e-5)
+    out, _, _ = ours()
+    assert torch.allclose(out, native()[0], atol=1e-5) and torch.allclose(out, expected, atol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last) and traffic == 2 * out.nbytes
+    bench.main(["--shapes", "6x3x4x4", "--dtypes", "bfloat16", "--layouts", "channels_last", "--directions", "eval",
+                "--min-run-time", "0.01"])
+    assert "channels_last      eval" in capsys.readouterr().out
+
+
+def _eval_inputs():
+    """make_case's tensors for (4, 3, 5, 5) float32 channels_last, and the batch statistics."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((4, 3, 5, 5), generator=g).contiguous(memory_format=torch.channels_last)
+    torch.randn((4, 3, 5, 5), generator=g)  # dy
+    w, b = torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
+    return x, w, b, x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shapes", "32xfoo"], "expected a shape like 32x64x56x56"),
     (["--shapes", "7"], "expected a shape like 32x64x56x56"),
     (["--processes", "0"], "--processes: expected a count >= 1, got 0"),
     (["--model", "resnet18", "--shapes", "8x4"], "not of --model"),
+    (["--directions", "forward,inference"], "--directions: expected names of forward, backward, module, eval, "
+                                             "got 'inference'"),
 ])
 def test_op_bench_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
