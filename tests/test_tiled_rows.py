@@ -1,8 +1,10 @@
 """Rows of a few channels walked as one flat run (``tiled_rows`` in
 ``csrc/cpu/kernels/row_affine.h``): where a chunk's width is not a multiple
-of the channel count but the pattern repeats within three chunks (8 or 16
+of the channel count but the pattern repeats within five chunks (8 or 16
 channels: a chunk holds whole rows; 24 or 48 half-precision channels: three
-chunks hold 4 or 2 rows), the elementwise pass takes whole chunks across
+chunks hold 4 or 2 rows; 40 channels: five chunks hold 4 half-precision
+rows or 2 float32 rows; 80 half-precision channels 2), the elementwise pass
+takes whole chunks across
 rows, each lane's coefficients its channel's, instead of a masked partial
 chunk a row.
 
@@ -35,6 +37,10 @@ _CASES = """[
     ((303, 24), torch.float32, "relu", False, False),
     ((301, 24), torch.float16, "silu", False, False),           # silu keeps the row walk
     ((20011, 16), torch.bfloat16, None, False, False),          # many blocks
+    ((301, 40), torch.float16, None, False, False),             # five chunks
+    ((299, 40), torch.float32, None, False, False),
+    ((303, 80), torch.bfloat16, "relu", False, True),
+    ((300, 24), torch.bfloat16, "relu", False, True),           # three chunks with a second input
 ]
 """
 
@@ -44,7 +50,7 @@ def test_tiled_rows_on_every_isa():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("channels", [8, 16, 24, 48])
+@pytest.mark.parametrize("channels", [8, 16, 24, 40, 48, 80])
 def test_flat_walk_matches_the_plane_kernels_bitwise(dtype, channels):
     g = torch.Generator().manual_seed(channels)
     x = (torch.randn(7, channels, 11, 13, generator=g) * 3 + 1).to(dtype)

@@ -88,10 +88,11 @@ struct RowAffine {
 
   // affine() over whole rows of C channels, C not a multiple of K, whose
   // pattern repeats every G chunks (G = C / gcd(C, K): 16 half-precision
-  // channels two rows a chunk, 24 four rows in three): the block is one flat
-  // run of whole chunks, each lane's coefficients those of its channel, held
-  // in registers, instead of a masked partial chunk in every row. Only for
-  // epilogues whose hooks address elements by offset (E::kSegmentChunks).
+  // channels two rows a chunk, 24 four rows in three, 40 four in five):
+  // the block is one flat run of whole chunks, each lane's coefficients
+  // those of its channel, loaded once a block, instead of a masked partial
+  // chunk in every row. Only for epilogues whose hooks address elements by
+  // offset (E::kSegmentChunks).
   template <int G, typename E>
   static void tiled_rows(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                          math::AffineArrays<acc_t> c, const E& ep, bool stream) {
@@ -120,14 +121,18 @@ struct RowAffine {
     }
   }
 
-  // Chunks in tiled_rows' period for rows of C channels: 0 where C is a
-  // multiple of K or the period's coefficients would not fit in registers
-  // (three vectors a part, four with y; four half-precision chunks with y
-  // spilled in few_chunk_rows).
-  static int tile_chunks(int64_t C, bool with_y) {
+  // Chunks in tiled_rows' period for rows of C channels (0: the row walk):
+  // where C is no multiple of K and the period is at most five chunks (40
+  // and 80 half-precision channels, 40 float32). Coefficients that do not
+  // fit in registers are spilled, and reloading them still beats a masked
+  // partial chunk a row: on AVX2 (16 registers), 24 half-precision channels
+  // (18 coefficient vectors) eval took 0.3x-0.6x the time tiled; five chunks
+  // (30 vectors, AVX512) 32x40x28x28 eval 0.6x-0.8x, and three with y (24)
+  // the 24-channel backward level or faster (old and new builds in
+  // alternating processes, 2 threads).
+  static int tile_chunks(int64_t C) {
     const int64_t g = C / std::gcd(C, K);
-    const int64_t vectors = g * P * (with_y ? 4 : 3);
-    return C % K != 0 && g <= 3 && vectors <= 18 ? static_cast<int>(g) : 0;
+    return C % K != 0 && g <= 5 ? static_cast<int>(g) : 0;
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
@@ -138,10 +143,11 @@ struct RowAffine {
   static void affine(const T* x, const T* y, T* out, const Extent& e, const Block& blk,
                      const math::AffineArrays<acc_t>& arrays, const E& ep = E{}) {
     const int operands = y ? 3 : 2;
-    const int tiles = E::kSegmentChunks && blk.s0 == 0 && blk.s1 == e.channels ? tile_chunks(e.channels, y) : 0;
+    const int tiles = E::kSegmentChunks && blk.s0 == 0 && blk.s1 == e.channels ? tile_chunks(e.channels) : 0;
     const bool stream = tiles ? streams_pass(out, e, sizeof(T), operands) : streams_output(out, e, sizeof(T), operands);
     if (tiles == 1) tiled_rows<1>(x, y, out, e, blk, arrays, ep, stream);
     else if (tiles == 3) tiled_rows<3>(x, y, out, e, blk, arrays, ep, stream);
+    else if (tiles == 5) tiled_rows<5>(x, y, out, e, blk, arrays, ep, stream);
     else affine_rows(x, y, out, e, blk, arrays, ep, stream);
     if (stream) stream_fence();
   }
