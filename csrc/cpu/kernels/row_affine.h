@@ -130,9 +130,12 @@ struct RowAffine {
   // (30 vectors, AVX512) 32x40x28x28 eval 0.6x-0.8x, and three with y (24)
   // the 24-channel backward level or faster (old and new builds in
   // alternating processes, 2 threads).
+  // K is a power of two, so the period of a C that is no multiple of it is
+  // odd: 1, 3 or 5 chunks, the three affine() instantiates.
   static int tile_chunks(int64_t C) {
+    static_assert((K & (K - 1)) == 0, "a chunk of a power of two lanes");
     const int64_t g = C / std::gcd(C, K);
-    return C % K != 0 && g <= 5 ? static_cast<int>(g) : 0;
+    return C % K != 0 && (g == 1 || g == 3 || g == 5) ? static_cast<int>(g) : 0;
   }
 
   // out = dy_scale * y + x_scale * (x - mean) + bias over the block; y may be
