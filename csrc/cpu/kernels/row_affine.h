@@ -170,7 +170,8 @@ struct RowAffine {
     // bfloat16, took 0.83x-1.0x the time forward and backward, eval
     // 0.74x-0.99x (A/B in one process, 2 threads).
     // Rows narrower than a chunk (channels_last 16 and 24 half-precision
-    // channels: MobileNet's, EfficientNet's) are one partial chunk each,
+    // channels: MobileNet's, EfficientNet's; tiled_rows takes them where
+    // the epilogue allows, so now silu's backward) are one partial chunk each,
     // whose coefficients the row-by-row walk reloaded (masked) every row;
     // in registers, channels_last 32x24x56x56 eval took 0.41x-0.83x
     // (bfloat16) and 0.44x-0.49x (float16) the time, 32x16x112x112
