@@ -8,6 +8,7 @@
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
 // Python update that torch.compile traces instead (_running_stats.py).
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -26,10 +27,14 @@ double bessel_factor(int64_t count) {
   return count > 1 ? static_cast<double>(count) / static_cast<double>(count - 1) : 1.0;
 }
 
+// The one-loop CPU update (kernel_table().update_running): contiguous buffers
+// of a floating dtype and batch statistics of its opmath type (float32 for
+// float16/bfloat16 buffers, as half-precision data's statistics are).
 bool plain_loop_applies(const at::Tensor& running, const at::Tensor& batch) {
+  const auto dtype = running.scalar_type();
   return running.is_cpu() && batch.is_cpu() && running.is_contiguous() && batch.is_contiguous() &&
-         running.scalar_type() == batch.scalar_type() &&
-         (running.scalar_type() == at::kFloat || running.scalar_type() == at::kDouble) &&
+         (dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
+         batch.scalar_type() == at::toOpMathType(dtype) &&
          running.numel() == batch.numel();
 }
 

@@ -38,10 +38,12 @@ struct KernelTable {
                      const double* mean, const double* var, const double* gamma, const double* count,
                      const double* grad_sums, double epsilon);
   // The running-statistics update of batch_norm_update_running_stats on
-  // contiguous float32 or float64 vectors of one dtype: running <-
-  // lerp(running, batch * factor, weight) (factor 1: batch as it is), with
-  // at::lerp's roundings. Here so that its fused multiply-add is an
-  // instruction, not a libm call per value.
+  // contiguous vectors: running (float64, float32, float16 or bfloat16) <-
+  // lerp(running, batch * factor, weight) (factor 1: batch as it is), batch
+  // in running's opmath type (float32 for half-precision buffers), with
+  // at::mul's, the cast's and at::lerp's roundings. Here so that its fused
+  // multiply-add is an instruction, not a libm call per value, and a
+  // half-precision model's update is one loop, not five tensor operations.
   void (*update_running)(const at::Tensor& running, const at::Tensor& batch, double factor, double weight);
   // The operators' per-channel vectors (channel_convert.h): a contiguous
   // floating vector to float64 values, and float64 values to one, rounded
