@@ -80,7 +80,7 @@ at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Te
 // Half-precision parameters meet float32 statistics: the fused operator takes one dtype.
 OptionalTensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
   if (!t.defined()) return std::nullopt;
-  return t.scalar_type() == dtype ? t : t.to(dtype);
+  return to_dtype(t, dtype);
 }
 
 // What act'(z) depends on besides the tensors.
@@ -160,8 +160,8 @@ struct ActForwardNode : public torch::autograd::Node {
                                     training, memory_saving, mask, optional(dst_positive.unpack(self)));
     }();
     if (mask[0]) out[0] = diff_src;
-    if (mask[1]) out[1] = diff_gamma.to(g.scalar_type());
-    if (mask[2]) out[2] = diff_beta.to(b.scalar_type());
+    if (mask[1]) out[1] = to_dtype(diff_gamma, g.scalar_type());
+    if (mask[2]) out[2] = to_dtype(diff_beta, b.scalar_type());
     if (mask[3]) out[5] = diff_residual;
     return out;
   }

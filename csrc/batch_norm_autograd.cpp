@@ -87,7 +87,7 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
   // Half-precision parameters meet float32 statistics: gamma in the statistics' dtype.
   OptionalTensor gamma_in_stats_dtype = gamma;
   if (gamma.has_value() && gamma->defined() && gamma->scalar_type() != mean.scalar_type()) {
-    gamma_in_stats_dtype = gamma->to(mean.scalar_type());
+    gamma_in_stats_dtype = to_dtype(*gamma, mean.scalar_type());
   }
   const std::array<bool, 3> mask = {need_src, need_gamma || (frozen && need_variance),
                                     need_beta || (frozen && need_mean)};
