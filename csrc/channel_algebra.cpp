@@ -1,11 +1,12 @@
 #include "channel_algebra.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/grad_mode.h>
 
 #include <cstdint>
 #include <vector>
+
+#include "cpu/kernels/kernel_table.h"
 
 namespace torch_bn_grad {
 
@@ -27,7 +28,8 @@ bool cast_is_unrecorded(const at::Tensor& t) {
 
 // Whether plain_cast may stand in for Tensor::to: a contiguous CPU vector
 // of per-channel values whose cast nothing records, between float32 and
-// float64, float16 or bfloat16.
+// float64, float16 or bfloat16 (pairs whose every value passes float64
+// exactly and narrows once, as Tensor::to rounds it).
 bool plain_cast_applies(const at::Tensor& t, at::ScalarType dtype) {
   constexpr int64_t kMaxValues = int64_t{1} << 16;
   const auto narrow_or_wide = [](at::ScalarType d) {
@@ -39,19 +41,15 @@ bool plain_cast_applies(const at::Tensor& t, at::ScalarType dtype) {
          t.is_contiguous() && t.numel() <= kMaxValues;
 }
 
-// Tensor::to's values (each converted once, rounded to the nearest even)
-// without the dispatcher's copy: about 4 us a call, and a half-precision
-// module's backward made three (gamma to float32, both gradients back).
+// Tensor::to's values through the CPU operators' own per-channel
+// conversions (channel_convert.h), without the dispatcher's copy: about 4 us
+// a call, and a half-precision module's backward made three or four (gamma,
+// fused: and beta, to float32; the gradients back).
 at::Tensor plain_cast(const at::Tensor& t, at::ScalarType dtype) {
+  std::vector<double> values(static_cast<size_t>(t.numel()));
+  cpu::kernel_table().widen_channels(t, values.data());
   at::Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "plain_cast", [&] {
-    using from_t = scalar_t;
-    const from_t* in = t.const_data_ptr<from_t>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "plain_cast", [&] {
-      scalar_t* o = out.mutable_data_ptr<scalar_t>();
-      for (int64_t i = 0; i < t.numel(); ++i) o[i] = static_cast<scalar_t>(in[i]);
-    });
-  });
+  cpu::kernel_table().narrow_channels(values.data(), out);
   return out;
 }
 

@@ -39,7 +39,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "batch_norm_math.h"
@@ -135,28 +134,27 @@ void backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& dif
 }
 
 // running <- lerp(running, batch * factor, weight) as the tensor arithmetic
-// rounds it (_running_stats.py): the product in B (batch's dtype) rounded on
-// its own as at::mul rounds it, then to R (running's: half-precision buffers
-// take float32 batch statistics), then at::lerp in R's opmath type, rounded
-// to R. The product is a fused multiply-add with -0.0, not a plain product:
-// GCC (with -mfma) fused that into lerp's subtraction.
-template <typename R, typename B>
+// rounds it (_running_stats.py), batch in R's opmath type (float32 for
+// half-precision buffers): the product rounded on its own as at::mul rounds
+// it, then to R, then at::lerp in the opmath type, rounded to R. The
+// product is a fused multiply-add with -0.0, not a plain product: GCC (with
+// -mfma) fused that into lerp's subtraction.
+template <typename R>
 void update_running_as(const at::Tensor& running, const at::Tensor& batch, double factor, double weight) {
   using opmath_t = at::opmath_type<R>;
-  static_assert(std::is_same_v<B, opmath_t>, "batch statistics in running's opmath type");
   R* r = running.mutable_data_ptr<R>();
-  const B* b = batch.const_data_ptr<B>();
+  const opmath_t* b = batch.const_data_ptr<opmath_t>();
   const auto w = static_cast<opmath_t>(weight);
-  const auto f = static_cast<B>(factor);
+  const auto f = static_cast<opmath_t>(factor);
   for (int64_t k = 0; k < running.numel(); ++k) {
-    const B value = factor == 1.0 ? b[k] : std::fma(b[k], f, B(-0.0));
+    const opmath_t value = factor == 1.0 ? b[k] : std::fma(b[k], f, opmath_t(-0.0));
     r[k] = static_cast<R>(math::lerp(static_cast<opmath_t>(r[k]), static_cast<opmath_t>(static_cast<R>(value)), w));
   }
 }
 
 void update_running(const at::Tensor& running, const at::Tensor& batch, double factor, double weight) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running.scalar_type(), "update_running", [&] {
-    update_running_as<scalar_t, at::opmath_type<scalar_t>>(running, batch, factor, weight);
+    update_running_as<scalar_t>(running, batch, factor, weight);
   });
 }
 
