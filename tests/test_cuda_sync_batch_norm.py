@@ -1,0 +1,173 @@
+"""SyncBatchNorm on CUDA tensors: two processes sharing one GPU, on NCCL where
+it accepts that (NCCL refuses two ranks on one device), else on gloo with CUDA
+tensors, against torch's single-process BatchNorm on the whole batch in
+float64; and a world of one NCCL process, which runs as a local BatchNorm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_bn_grad
+from reference import TOLERANCES
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_available()),
+                                reason="needs a CUDA device and torch.distributed")
+
+WORLD_SIZE = 2
+SIZES = (5, 3)  # per-rank batch sizes: uneven
+ITEM = (6, 7, 5)  # (C, H, W)
+STEPS = 2
+TIMEOUT_S = 180
+
+
+def _module() -> torch.nn.BatchNorm2d:
+    bn = torch.nn.BatchNorm2d(ITEM[0])
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5, generator=g)
+        bn.bias.normal_(generator=g)
+    return bn
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    shape = (sum(SIZES), *ITEM)
+    return torch.randn(shape, generator=g, dtype=torch.float64) * (step + 1) + step, \
+        torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _local(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[sum(SIZES[:rank]):sum(SIZES[:rank + 1])]
+
+
+def _worker(rank: int, port: int, backend: str, out_dir: str) -> None:
+    try:
+        torch.cuda.set_device(0)
+        store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD_SIZE,
+                                timeout=datetime.timedelta(seconds=60))
+        model = torch_bn_grad.convert_batchnorm(_module(), sync=True).cuda().float()
+        result = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
+        for step in range(STEPS):
+            x, dy = _batch(step)
+            x = _local(x, rank).float().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            out.backward(_local(dy, rank).float().cuda())
+            torch.cuda.synchronize()
+            result["outputs"].append(out.detach().cpu())
+            result["input_grads"].append(x.grad.cpu())
+            result["param_grads"].append([p.grad.cpu() for p in model.parameters()])
+            result["running"].append([b.cpu() for b in model.buffers()])
+        dist.destroy_process_group()
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _spawn(backend: str, out_dir: Path) -> tuple[list[dict], str]:
+    """Each rank's results, or ([], the workers' errors)."""
+    out_dir.mkdir()
+    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    context = mp.start_processes(_worker, args=(store.port, backend, str(out_dir)), nprocs=WORLD_SIZE,
+                                 join=False, start_method="spawn")
+    error = ""
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
+        while not context.join(timeout=1):
+            if datetime.datetime.now() > deadline:
+                error = f"workers did not finish within {TIMEOUT_S} s"
+                break
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        error = str(exc)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    errors = [p.read_text() for p in sorted(out_dir.glob("*.error"))]
+    if errors or error:
+        return [], "\n".join(errors) or error
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD_SIZE)], ""
+
+
+def _reference() -> dict:
+    model = _module().double()
+    result = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
+    for step in range(STEPS):
+        x, dy = _batch(step)
+        x.requires_grad_()
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.backward(dy)
+        result["outputs"].append(out.detach())
+        result["input_grads"].append(x.grad)
+        result["param_grads"].append([p.grad for p in model.parameters()])
+        result["running"].append([b.clone() for b in model.buffers()])
+    return result
+
+
+def _close(actual, expected, what, scale=1.0):
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"],
+                               msg=lambda m: f"{what}: {m}")
+
+
+def test_two_processes_on_one_gpu_match_the_whole_batch(tmp_path):
+    per_rank, nccl_error = _spawn("nccl", tmp_path / "nccl") if dist.is_nccl_available() else ([], "no NCCL")
+    backend = "nccl"
+    if not per_rank:  # NCCL refuses two ranks on one GPU: gloo carries the CUDA tensors instead
+        backend = "gloo"
+        per_rank, gloo_error = _spawn("gloo", tmp_path / "gloo")
+        assert per_rank, f"NCCL failed:\n{nccl_error}\n\ngloo failed:\n{gloo_error}"
+    print(f"SyncBatchNorm on CUDA tensors ran on {backend}")
+    ref = _reference()
+    count = sum(SIZES) * ITEM[1] * ITEM[2]
+    for step in range(STEPS):
+        for rank, got in enumerate(per_rank):
+            where = f"{backend}, step {step}, rank {rank}"
+            _close(got["outputs"][step], _local(ref["outputs"][step], rank), f"output, {where}")
+            _close(got["input_grads"][step], _local(ref["input_grads"][step], rank), f"input gradient, {where}", 2)
+            for mine, theirs in zip(got["running"][step], ref["running"][step]):
+                _close(mine, theirs, f"running statistics, {where}")
+        for i, expected in enumerate(ref["param_grads"][step]):
+            summed = sum(got["param_grads"][step][i].double() for got in per_rank)
+            _close(summed, expected, f"parameter {i} gradient summed over ranks, {backend}, step {step}", count)
+
+
+def test_world_of_one_nccl_process_runs_as_local_batch_norm():
+    if not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        torch_bn = _module().cuda()
+        ours = torch_bn_grad.convert_batchnorm(_module(), sync=True).cuda()
+        x = torch.randn(4, *ITEM, device="cuda", requires_grad=True)
+        x_ours = x.detach().clone().requires_grad_()
+        dy = torch.randn(4, *ITEM, device="cuda")
+        expected = torch_bn(x)
+        expected.backward(dy)
+        out = ours(x_ours)
+        out.backward(dy)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for mine, theirs in zip(ours.buffers(), torch_bn.buffers()):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x_ours.grad, x.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours.weight.grad, torch_bn.weight.grad, rtol=1e-4, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
