@@ -48,17 +48,24 @@ void update_one(const at::Tensor& running, const at::Tensor& batch, double facto
 }
 
 #ifdef TORCH_BN_GRAD_WITH_CUDA
-// Both updates in one CUDA kernel: every tensor on the batch statistics' GPU,
-// contiguous, of their dtype (float32 or float64). The numel checks come first.
+// Both updates in one CUDA kernel: every tensor on the batch statistics' GPU
+// and contiguous; buffers of one floating dtype whose opmath type is the
+// statistics' (float32 statistics for float16/bfloat16 buffers, as for the
+// CPU loop). The numel checks come first.
 bool one_cuda_kernel_applies(const std::optional<at::Tensor>& running_mean,
                              const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
                              const at::Tensor& variance) {
   const auto dtype = mean.scalar_type();
   if (!mean.is_cuda() || (dtype != at::kFloat && dtype != at::kDouble) || !mean.is_contiguous()) return false;
+  std::optional<at::ScalarType> buffers;
   for (const auto* t : {&running_mean, &running_var}) {
-    if (t->has_value() &&
-        ((*t)->device() != mean.device() || (*t)->scalar_type() != dtype || !(*t)->is_contiguous()))
+    if (!t->has_value()) continue;
+    const auto buffer = (*t)->scalar_type();
+    if ((*t)->device() != mean.device() || !(buffer == at::kDouble || buffer == at::kFloat || buffer == at::kHalf || buffer == at::kBFloat16) ||
+        at::toOpMathType(buffer) != dtype ||
+        (buffers.has_value() && *buffers != buffer) || !(*t)->is_contiguous())
       return false;
+    buffers = buffer;
   }
   return variance.device() == mean.device() && variance.scalar_type() == dtype && variance.is_contiguous() &&
          variance.numel() == mean.numel();

@@ -62,10 +62,8 @@ def _assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.T
 @pytest.fixture(autouse=True)
 def _deterministic_convolutions():
     """cuDNN's convolutions deterministic, so that only this library's kernels are under test."""
-    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    yield
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        yield
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],

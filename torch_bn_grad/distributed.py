@@ -13,9 +13,10 @@ synchronizes a CUDA stream with the host.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -49,11 +50,28 @@ def sync_batch_norm(
     if not eps > 0:
         raise ValueError(f"sync_batch_norm: eps must be positive in training, got {eps}")
     local = stages.batch_norm_local_stats(input.detach())
-    gathered = _compat.all_gather_single(local, 0, group)
+    gathered = _collective(lambda t: _compat.all_gather_single(t, 0, group), local, group)
     count, mean, variance = stages.combine_stats(gathered.view(-1, *local.shape))
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, variance, count, momentum)
     return _SyncBatchNormFunction.apply(input, weight, bias, count, mean, variance, eps, group)
+
+
+def _collective(run: Callable[[Tensor], Tensor], statistics: Tensor, group: ProcessGroup) -> Tensor:
+    """``run(statistics)``, a collective over ``group``, on a device its backend takes.
+
+    gloo's collectives take CPU tensors only (its CUDA paths fail or crash):
+    there, CUDA statistics (a few values per channel) go through host memory,
+    which synchronizes with the host as gloo's own CUDA support would. NCCL
+    and CPU tensors run as they are."""
+    if statistics.is_cuda and _takes_cpu_tensors_only(group):
+        return run(statistics.cpu()).to(statistics.device)
+    return run(statistics)
+
+
+@torch.compiler.assume_constant_result  # a group's backend does not change: no graph break under compile
+def _takes_cpu_tensors_only(group: ProcessGroup) -> bool:
+    return dist.get_backend(group) == "gloo"
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -106,7 +124,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if need_bias:
             grad_bias = sums[0].to(ctx.bias_dtype)
         if need_input:
-            total = funcol.all_reduce(sums, "sum", ctx.group)
+            total = _collective(lambda t: funcol.all_reduce(t, "sum", ctx.group), sums, ctx.group)
             grad_input = stages.batch_norm_grad_input(
                 input, grad_dst, mean, variance, weight, count, total, epsilon=ctx.eps
             )

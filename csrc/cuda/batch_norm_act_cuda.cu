@@ -1,7 +1,8 @@
 // CUDA implementations of the fused batch_norm_act operators: the plain
-// operators' two-kernel path (batch_norm_cuda.cu: reduce, per-channel
-// coefficients, elementwise pass) with an activation epilogue (epilogue.cuh)
-// in the gradient sums and the elementwise pass. Same contract, checks and
+// operators' paths (batch_norm_cuda.cu: the persistent single-read kernel, or
+// reduce, per-channel coefficients and elementwise pass) with an activation
+// epilogue (epilogue.cuh) in the gradient sums and the output. The forward's
+// driver is the plain forward's (forward.cuh). Same contract, checks and
 // per-channel math as the CPU operators (cpu/batch_norm_act_cpu.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +22,7 @@
 #include "batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/epilogue.cuh"
+#include "cuda/forward.cuh"
 #include "cuda/launch.cuh"
 
 namespace torch_bn_grad::cuda {
@@ -52,68 +54,22 @@ void frozen_forward_coefficients(ChannelIn mean, ChannelIn variance, ChannelIn g
   forward_coefficients(args);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cuda(
+ForwardResult batch_norm_act_forward_cuda(
     const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
     const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
     double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
   const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
                                                  negative_slope, data_format);
-  const ChannelPlan& plan = checked.plan;
-  const c10::cuda::CUDAGuard guard(src.device());
-  const auto acc = accumulate_type(src.scalar_type());
-  const Extent e = plan.extent();
-  const bool batch_statistics = !mean.has_value();
-  at::Tensor mean_k = channel_vector(plan, src, acc);
-  at::Tensor var_k = batch_statistics ? channel_vector(plan, src, acc) : at::Tensor();
-  KernelOutput out = make_kernel_output(src, plan);
-  if (src.numel() > 0) {
-    const at::Tensor x = to_kernel_layout(src, plan);
-    const at::Tensor r = layout_or_undefined(residual, plan);
-    const ChannelValues gamma_v = channel_values(gamma, plan, src);
-    const ChannelValues beta_v = channel_values(beta, plan, src);
-    at::Tensor x_scale = channel_vector(plan, src, acc);
-    at::Tensor bias = channel_vector(plan, src, acc);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_act_forward_cuda", [&] {
-      using A = Acc<scalar_t>;
-      ForwardCoefficientArgs<A> args{};
-      args.gamma = gamma_v.in;
-      args.beta = beta_v.in;
-      args.epsilon = epsilon;
-      args.channels = e.channels;
-      args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
-                     bias.mutable_data_ptr<A>()};
-      Partials<Moments<double>> partials;  // alive until the kernels are queued
-      ChannelValues mean_v, var_v;
-      if (batch_statistics) {
-        args.variance_out = var_k.mutable_data_ptr<A>();
-        partials = moment_partials<scalar_t>(x, e);
-        args.partials = partials.data;
-        args.per_channel = partials.per_channel;
-      } else {
-        mean_v = channel_values(mean, plan, src);
-        var_v = channel_values(variance, plan, src);
-        args.mean = mean_v.in;
-        args.variance = var_v.in;
-      }
-      forward_coefficients(args);
-      const math::AffineArrays<A> c{mean_k.const_data_ptr<A>(), nullptr, x_scale.const_data_ptr<A>(),
-                                    bias.const_data_ptr<A>()};
-      act::dispatch_activation(checked.kind, [&](auto activation_type) {
-        ForwardActEpilogue<scalar_t, decltype(activation_type)> ep{};
-        ep.r = data_or_null<scalar_t>(r);
-        ep.slope = static_cast<A>(negative_slope);
-        apply_affine<scalar_t, false>(x, nullptr, out.buffer, e, c, ep);
-      });
+  const at::Tensor r = layout_or_undefined(residual, checked.plan);
+  return forward_cuda(checked.plan, src, gamma, beta, mean, variance, epsilon, [&](auto type, const auto& run) {
+    using scalar_t = typename decltype(type)::type;
+    act::dispatch_activation(checked.kind, [&](auto activation_type) {
+      ForwardActEpilogue<scalar_t, decltype(activation_type)> ep{};
+      ep.r = data_or_null<scalar_t>(r);
+      ep.slope = static_cast<Acc<scalar_t>>(negative_slope);
+      run(ep);
     });
-    finish_kernel_output(out, plan);
-  } else if (batch_statistics) {
-    mean_k.fill_(std::numeric_limits<double>::quiet_NaN());
-    var_k.fill_(std::numeric_limits<double>::quiet_NaN());
-  }
-  if (!batch_statistics) {
-    return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous)};
-  }
-  return {out.result, from_kernel_channels(mean_k, plan, acc, src), from_kernel_channels(var_k, plan, acc, src)};
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cuda(
@@ -160,19 +116,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     }
     // silu's gate needs the forward's coefficients.
     ChannelValues mean_v, beta_v;
-    at::Tensor dy_scale, x_scale, bias, fwd_mean, fwd_scale, fwd_bias;
-    if (need_pass) {
-      dy_scale = channel_vector(plan, data, acc);
-      x_scale = channel_vector(plan, data, acc);
-      bias = channel_vector(plan, data, acc);
-    }
     if (checked.kind == act::Kind::silu) {
       mean_v = channel_values(mean, plan, data);
       beta_v = channel_values(beta, plan, data);
-      fwd_mean = channel_vector(plan, data, acc);
-      fwd_scale = channel_vector(plan, data, acc);
-      fwd_bias = channel_vector(plan, data, acc);
     }
+    // The pass's dy_scale, x_scale and bias, then silu's forward mean, scale and bias.
+    const int64_t vectors = (need_pass ? 3 : 0) + (checked.kind == act::Kind::silu ? 3 : 0);
+    const at::Tensor scratch = vectors > 0 ? channel_vectors(plan, data, acc, vectors) : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_act_backward_cuda", [&] {
       using A = Acc<scalar_t>;
       BackwardCoefficientArgs<A> args{};
@@ -184,10 +134,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
       args.channels = e.channels;
       args.reduced = M;
       args.training = training;
-      if (need_pass) {
-        args.affine = {nullptr, dy_scale.mutable_data_ptr<A>(), x_scale.mutable_data_ptr<A>(),
-                       bias.mutable_data_ptr<A>()};
-      }
+      const int64_t C = e.channels;
+      A* const dy_scale = need_pass ? scratch.mutable_data_ptr<A>() : nullptr;
+      A* const fwd_mean =
+          checked.kind == act::Kind::silu ? scratch.mutable_data_ptr<A>() + (need_pass ? 3 * C : 0) : nullptr;
+      if (need_pass) args.affine = {nullptr, dy_scale, dy_scale + C, dy_scale + 2 * C};
       args.diff_gamma = dg.out;
       args.diff_beta = db.out;
       scalar_t* dz_out = output_mask[3] ? dz.buffer.mutable_data_ptr<scalar_t>() : nullptr;
@@ -196,14 +147,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
       auto run = [&](const auto& ep) {
         Partials<GradSums<double>> partials;  // alive until the kernels are queued
         if (need_sums && M > 0) {
+          scalar_t* dst = need_pass ? dx.buffer.mutable_data_ptr<scalar_t>() : nullptr;
+          if (persistent_backward<scalar_t>(x, dy, centre_k, dst, e, args, ep)) return;
           partials = grad_sum_partials<scalar_t>(x, dy, centre_k, e, ep);
           args.partials = partials.data;
           args.per_channel = partials.per_channel;
         }
         backward_coefficients(args);
         if (need_pass) {
-          const math::AffineArrays<A> coef{centre_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),
-                                           x_scale.const_data_ptr<A>(), bias.const_data_ptr<A>()};
+          const math::AffineArrays<A> coef{centre_k.const_data_ptr<A>(), dy_scale, dy_scale + C, dy_scale + 2 * C};
           apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), dx.buffer, e, coef, ep);
         }
       };
@@ -226,8 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
           ep.slope = slope;
           run(ep);
         } else {
-          const math::AffineArrays<A> forward{fwd_mean.const_data_ptr<A>(), nullptr, fwd_scale.const_data_ptr<A>(),
-                                              fwd_bias.const_data_ptr<A>()};
+          const math::AffineArrays<A> forward{fwd_mean, nullptr, fwd_mean + C, fwd_mean + 2 * C};
           frozen_forward_coefficients<A>(mean_v.in, var_v.in, gamma_v.in, beta_v.in, epsilon, e.channels, forward);
           InputGateEpilogue<scalar_t, Act> ep{};
           ep.dz = dz_out;

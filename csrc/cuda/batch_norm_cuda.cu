@@ -3,8 +3,9 @@
 // data as [outer, channels, inner], reduce, derive the per-channel
 // coefficients in float64 on the device, then run one elementwise pass; or,
 // for the training forward and backward of shapes a block can hold, all of it
-// in one persistent kernel that reads the data once. The kernels and their
-// launches are in the headers of this folder (csrc/README.md).
+// in one persistent kernel that reads the data once. The forward's driver is
+// shared with the fused batch_norm_act operators (forward.cuh); the kernels
+// and their launches are in the headers of this folder (csrc/README.md).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,76 +19,19 @@
 #include "batch_norm_args.h"
 #include "batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
+#include "cuda/forward.cuh"
 #include "cuda/launch.cuh"
 
 namespace torch_bn_grad::cuda {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cuda(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma,
-    const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
-    const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format) {
+ForwardResult batch_norm_forward_cuda(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                                      const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+                                      const std::optional<at::Tensor>& variance, double epsilon,
+                                      c10::string_view data_format) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
-  const c10::cuda::CUDAGuard guard(src.device());
-  const auto acc = accumulate_type(src.scalar_type());
-  const Extent e = plan.extent();
-  const bool batch_statistics = !mean.has_value();
-
-  // Per-channel vectors in kernel order, of the accumulation type; var_k is
-  // only needed as an output (batch statistics).
-  at::Tensor mean_k = channel_vector(plan, src, acc);
-  at::Tensor var_k = batch_statistics ? channel_vector(plan, src, acc) : at::Tensor();
-  KernelOutput out = make_kernel_output(src, plan);
-  if (src.numel() > 0) {
-    const at::Tensor x = to_kernel_layout(src, plan);
-    const ChannelValues gamma_v = channel_values(gamma, plan, src);
-    const ChannelValues beta_v = channel_values(beta, plan, src);
-    at::Tensor x_scale = channel_vector(plan, src, acc);
-    at::Tensor bias = channel_vector(plan, src, acc);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_forward_cuda", [&] {
-      using A = Acc<scalar_t>;
-      ForwardCoefficientArgs<A> args{};
-      args.gamma = gamma_v.in;
-      args.beta = beta_v.in;
-      args.epsilon = epsilon;
-      args.channels = e.channels;
-      args.affine = {mean_k.mutable_data_ptr<A>(), nullptr, x_scale.mutable_data_ptr<A>(),
-                     bias.mutable_data_ptr<A>()};
-      if (batch_statistics) {
-        args.variance_out = var_k.mutable_data_ptr<A>();
-        if (persistent_forward<scalar_t>(x, out.buffer, e, args)) return;
-      }
-      Partials<Moments<double>> partials;  // these stay alive until the kernels are queued
-      ChannelValues mean_v, var_v;
-      if (batch_statistics) {
-        partials = moment_partials<scalar_t>(x, e);
-        args.partials = partials.data;
-        args.per_channel = partials.per_channel;
-      } else {
-        mean_v = channel_values(mean, plan, src);
-        var_v = channel_values(variance, plan, src);
-        args.mean = mean_v.in;
-        args.variance = var_v.in;
-      }
-      forward_coefficients(args);
-
-      const math::AffineArrays<A> c{mean_k.const_data_ptr<A>(), nullptr, x_scale.const_data_ptr<A>(),
-                                    bias.const_data_ptr<A>()};
-      apply_affine<scalar_t, false>(x, nullptr, out.buffer, e, c);
-    });
-    finish_kernel_output(out, plan);
-  } else if (batch_statistics) {
-    // Empty batch: NaN statistics, as a mean over nothing.
-    mean_k.fill_(std::numeric_limits<double>::quiet_NaN());
-    var_k.fill_(std::numeric_limits<double>::quiet_NaN());
-  }
-
-  if (!batch_statistics) {
-    return {out.result, mean->clone(at::MemoryFormat::Contiguous),
-            variance->clone(at::MemoryFormat::Contiguous)};
-  }
-  return {out.result, from_kernel_channels(mean_k, plan, acc, src),
-          from_kernel_channels(var_k, plan, acc, src)};
+  return forward_cuda(plan, src, gamma, beta, mean, variance, epsilon,
+                      [](auto, const auto& run) { run(PlainEpilogue{}); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
@@ -116,12 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
     const ChannelValues gamma_v = channel_values(gamma, plan, src);
     at::Tensor dy;
     if (need_diff_src || (need_sums && M > 0)) dy = to_kernel_layout(diff_dst, plan);
-    at::Tensor dy_scale, x_scale, bias;
-    if (need_diff_src) {
-      dy_scale = channel_vector(plan, src, acc);
-      x_scale = channel_vector(plan, src, acc);
-      bias = channel_vector(plan, src, acc);
-    }
+    // dy_scale, x_scale and bias
+    const at::Tensor scratch = need_diff_src ? channel_vectors(plan, src, acc, 3) : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_backward_cuda", [&] {
       using A = Acc<scalar_t>;
       BackwardCoefficientArgs<A> args{};
@@ -132,10 +72,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
       args.channels = e.channels;
       args.reduced = M;
       args.training = training;
-      if (need_diff_src) {
-        args.affine = {nullptr, dy_scale.mutable_data_ptr<A>(), x_scale.mutable_data_ptr<A>(),
-                       bias.mutable_data_ptr<A>()};
-      }
+      A* const dy_scale = need_diff_src ? scratch.mutable_data_ptr<A>() : nullptr;
+      if (need_diff_src) args.affine = {nullptr, dy_scale, dy_scale + e.channels, dy_scale + 2 * e.channels};
       args.diff_gamma = dg.out;
       args.diff_beta = db.out;
       Partials<GradSums<double>> partials;  // alive until the kernels are queued
@@ -149,8 +87,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
       backward_coefficients(args);
 
       if (need_diff_src) {
-        const math::AffineArrays<A> coef{mean_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),
-                                         x_scale.const_data_ptr<A>(), bias.const_data_ptr<A>()};
+        const math::AffineArrays<A> coef{mean_k.const_data_ptr<A>(), dy_scale, dy_scale + e.channels,
+                                         dy_scale + 2 * e.channels};
         apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), out.buffer, e, coef);
       }
     });

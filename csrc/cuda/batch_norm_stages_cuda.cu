@@ -123,21 +123,18 @@ at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& d
   const at::Tensor variance_d = variance.contiguous();
   const at::Tensor count_d = count.contiguous();
   const at::Tensor sums_d = grad_sums.contiguous();
-  const at::Tensor mean_k = channel_vector(plan, src, acc);
-  const at::Tensor dy_scale = channel_vector(plan, src, acc);
-  const at::Tensor x_scale = channel_vector(plan, src, acc);
-  const at::Tensor bias = channel_vector(plan, src, acc);
+  const at::Tensor scratch = channel_vectors(plan, src, acc, 4);  // mean, dy_scale, x_scale, bias
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_input_cuda", [&] {
     using A = Acc<scalar_t>;
     const dim3 grid(static_cast<unsigned>(ceil_div(e.channels, kThreads)));
-    const AffineOutputs<A> affine{mean_k.mutable_data_ptr<A>(), dy_scale.mutable_data_ptr<A>(),
-                                  x_scale.mutable_data_ptr<A>(), bias.mutable_data_ptr<A>()};
+    A* const v = scratch.mutable_data_ptr<A>();
+    const int64_t C = e.channels;
+    const AffineOutputs<A> affine{v, v + C, v + 2 * C, v + 3 * C};
     grad_input_coefficients_kernel<A><<<grid, kThreads, 0, stream()>>>(
         mean_d.const_data_ptr<double>(), variance_d.const_data_ptr<double>(), optional_data(gamma_d),
         count_d.const_data_ptr<double>(), sums_d.const_data_ptr<double>(), epsilon, e.channels, affine);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const math::AffineArrays<A> coef{mean_k.const_data_ptr<A>(), dy_scale.const_data_ptr<A>(),
-                                     x_scale.const_data_ptr<A>(), bias.const_data_ptr<A>()};
+    const math::AffineArrays<A> coef{v, v + C, v + 2 * C, v + 3 * C};
     apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), out.buffer, e, coef);
   });
   finish_kernel_output(out, plan);

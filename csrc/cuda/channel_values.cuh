@@ -91,6 +91,7 @@ inline ChannelValues channel_values(const std::optional<at::Tensor>& t, const Ch
   if (!t.has_value()) return {};
   if (plan.kept_kernel == plan.kept_logical) {
     const auto type = channel_type(t->scalar_type());
+    if (type && t->dim() == 1) return {*t, ChannelIn{t->const_data_ptr(), t->stride(0), *type}};  // no view to make
     if (type) {
       at::Tensor v = t->reshape({plan.channels});  // a view for every stats_shape of strided channels
       return {v, ChannelIn{v.const_data_ptr(), v.stride(0), *type}};

@@ -153,42 +153,44 @@ void apply_affine(const at::Tensor& x, const T* y, const at::Tensor& out, const 
 }
 
 // The training forward in one kernel (statistics, coefficients, output) when
-// the shape qualifies; false, with nothing launched, otherwise.
-template <typename T>
+// the shape qualifies; false, with nothing launched, otherwise. The epilogue
+// (epilogue.cuh) is plain batch norm's unless given.
+template <typename T, typename E = PlainEpilogue>
 bool persistent_forward(const at::Tensor& x, const at::Tensor& out, const Extent& e,
-                        const ForwardCoefficientArgs<Acc<T>>& args) {
+                        const ForwardCoefficientArgs<Acc<T>>& args, const E& ep = E{}) {
   const T* xp = x.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   return launch_persistent<T>(
       e, {xp, op},
       [&](const PersistentLaunch<PersistentPlane>& l, auto n, auto r) {
-        plane_persistent_forward_kernel<T, decltype(n)::value, decltype(r)::value>
-            <<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+        plane_persistent_forward_kernel<T, decltype(n)::value, decltype(r)::value, E>
+            <<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args, ep);
       },
       [&](const PersistentLaunch<PersistentColumns>& l, auto n, auto r) {
-        column_persistent_forward_kernel<T, decltype(n)::value, decltype(r)::value>
-            <<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args);
+        column_persistent_forward_kernel<T, decltype(n)::value, decltype(r)::value, E>
+            <<<l.grid, l.block, 0, stream()>>>(xp, op, l.g, args, ep);
       });
 }
 
 // The training backward's sums, coefficients, parameter gradients and (unless
 // `out` is null) diff_src in one kernel when the shape qualifies; false, with
-// nothing launched, otherwise.
-template <typename T>
+// nothing launched, otherwise. The epilogue gates dy (and writes dz) as the
+// two-kernel path's does.
+template <typename T, typename E = PlainEpilogue>
 bool persistent_backward(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean, T* out,
-                         const Extent& e, const BackwardCoefficientArgs<Acc<T>>& args) {
+                         const Extent& e, const BackwardCoefficientArgs<Acc<T>>& args, const E& ep = E{}) {
   const T* xp = x.const_data_ptr<T>();
   const T* dp = dy.const_data_ptr<T>();
   const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
   return launch_persistent<T>(
       e, {xp, dp, out},
       [&](const PersistentLaunch<PersistentPlane>& l, auto n, auto r) {
-        plane_persistent_backward_kernel<T, decltype(n)::value, decltype(r)::value>
-            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
+        plane_persistent_backward_kernel<T, decltype(n)::value, decltype(r)::value, E>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args, ep);
       },
       [&](const PersistentLaunch<PersistentColumns>& l, auto n, auto r) {
-        column_persistent_backward_kernel<T, decltype(n)::value, decltype(r)::value>
-            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args);
+        column_persistent_backward_kernel<T, decltype(n)::value, decltype(r)::value, E>
+            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, out, l.g, args, ep);
       });
 }
 
@@ -234,6 +236,14 @@ inline const double* optional_data(const at::Tensor& t) {
 
 inline at::Tensor channel_vector(const ChannelPlan& plan, const at::Tensor& like, at::ScalarType dtype) {
   return at::empty({plan.channels}, like.options().dtype(dtype));
+}
+
+// `count` per-channel vectors of `dtype` in one allocation, vector i from
+// element i * channels on: a small layer's call is mostly host time, and each
+// allocation is a share of it.
+inline at::Tensor channel_vectors(const ChannelPlan& plan, const at::Tensor& like, at::ScalarType dtype,
+                                  int64_t count) {
+  return at::empty({count * plan.channels}, like.options().dtype(dtype));
 }
 
 // A per-channel float64 vector in kernel order, or undefined when `t` is absent.

@@ -7,7 +7,11 @@
 // __syncthreads(), which makes the writes visible to all of its threads.
 // Each thread issues all of its loads before any arithmetic, so that they are
 // in flight together. R: a thread's slots per tensor, at most
-// kPersistentItems<T> / N (launch_plan.cuh picks the level).
+// kPersistentItems<T> / N (launch_plan.cuh picks the level). The epilogue E
+// (epilogue.cuh) makes them the fused batch_norm_act operators' kernels too:
+// the forward activates each value before its store; the backward gates each
+// loaded pair once (dz from dy), sums the gated values and stores dz with the
+// output.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -18,6 +22,7 @@
 #include "cuda/affine_kernels.cuh"
 #include "cuda/block_reduce.cuh"
 #include "cuda/coefficient_kernels.cuh"
+#include "cuda/epilogue.cuh"
 #include "cuda/launch_plan.cuh"
 #include "cuda/partition.cuh"
 #include "cuda/thread_states.cuh"
@@ -25,10 +30,10 @@
 
 namespace torch_bn_grad::cuda {
 
-template <typename T, int N, int R>
+template <typename T, int N, int R, typename E>
 __global__ void __launch_bounds__(kThreads)
     plane_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentPlane h,
-                                    ForwardCoefficientArgs<at::opmath_type<T>> a) {
+                                    ForwardCoefficientArgs<at::opmath_type<T>> a, E ep) {
   using A = at::opmath_type<T>;
   __shared__ ShiftedSums<A> shared[kThreads / kWarp];
   const int64_t k = blockIdx.x;
@@ -47,15 +52,15 @@ __global__ void __launch_bounds__(kThreads)
   for_each_held<R>(h, [&](int r, int64_t v) {
     A res[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = affine<A, false>(xs[r][j], A(0), mean, A(0), x_scale, bias);
+    for (int j = 0; j < N; ++j) res[j] = ep.post(v * N + j, affine<A, false>(xs[r][j], A(0), mean, A(0), x_scale, bias));
     store<N>(out + v * N, res);
   });
 }
 
-template <typename T, int N, int R>
+template <typename T, int N, int R, typename E>
 __global__ void __launch_bounds__(kThreads)
     column_persistent_forward_kernel(const T* __restrict__ x, T* __restrict__ out, PersistentColumns h,
-                                     ForwardCoefficientArgs<at::opmath_type<T>> a) {
+                                     ForwardCoefficientArgs<at::opmath_type<T>> a, E ep) {
   using A = at::opmath_type<T>;
   __shared__ LaneMoments<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
@@ -84,17 +89,19 @@ __global__ void __launch_bounds__(kThreads)
   for_each_held<R>(h, column, [&](int r, int64_t v) {
     A res[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = affine<A, false>(xs[r][j], A(0), mean[j], A(0), x_scale[j], bias[j]);
+    for (int j = 0; j < N; ++j) {
+      res[j] = ep.post(v * N + j, affine<A, false>(xs[r][j], A(0), mean[j], A(0), x_scale[j], bias[j]));
+    }
     store<N>(out + v * N, res);
   });
 }
 
 // `out` is null when only the parameters' gradients are wanted.
-template <typename T, int N, int R>
+template <typename T, int N, int R, typename E>
 __global__ void __launch_bounds__(kThreads)
     plane_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                      const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
-                                     PersistentPlane h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
+                                     PersistentPlane h, BackwardCoefficientArgs<at::opmath_type<T>> p, E ep) {
   using A = at::opmath_type<T>;
   __shared__ ExactGradSums<A> shared[kThreads / kWarp];
   const int64_t k = blockIdx.x;
@@ -107,7 +114,11 @@ __global__ void __launch_bounds__(kThreads)
     load<N>(x + v * N, xs[r]);
     load<N>(dy + v * N, ds[r]);
   });
-  for_each_held<R>(h, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
+  for_each_held<R>(h, [&](int r, int64_t v) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) ep.apply(v * N + j, k, xs[r][j], ds[r][j]);
+    add(lanes, xs[r], ds[r], m);
+  });
   const ExactGradSums<A> s = block_reduce(fold(lanes), shared);
   if (threadIdx.x == 0) store_backward_coefficients(p, k, partial_of(s));
   if (out == nullptr) return;
@@ -116,16 +127,19 @@ __global__ void __launch_bounds__(kThreads)
   for_each_held<R>(h, [&](int r, int64_t v) {
     A res[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], dy_scale, x_scale, bias);
+    for (int j = 0; j < N; ++j) {
+      ep.store_dz(v * N + j, ds[r][j]);
+      res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], dy_scale, x_scale, bias);
+    }
     store<N>(out + v * N, res);
   });
 }
 
-template <typename T, int N, int R>
+template <typename T, int N, int R, typename E>
 __global__ void __launch_bounds__(kThreads)
     column_persistent_backward_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                       const at::opmath_type<T>* __restrict__ mean, T* __restrict__ out,
-                                      PersistentColumns h, BackwardCoefficientArgs<at::opmath_type<T>> p) {
+                                      PersistentColumns h, BackwardCoefficientArgs<at::opmath_type<T>> p, E ep) {
   using A = at::opmath_type<T>;
   __shared__ LaneGradSums<A, N> shared[kThreads / 2];
   const int64_t column = owned_column();
@@ -138,7 +152,11 @@ __global__ void __launch_bounds__(kThreads)
       load<N>(x + v * N, xs[r]);
       load<N>(dy + v * N, ds[r]);
     });
-    for_each_held<R>(h, column, [&](int r, int64_t) { add(lanes, xs[r], ds[r], m); });
+    for_each_held<R>(h, column, [&](int r, int64_t v) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) ep.apply(v * N + j, column * N + j, xs[r][j], ds[r][j]);
+      add(lanes, xs[r], ds[r], m);
+    });
   }
   column_reduce(lanes, shared);
   if (owner && threadIdx.y == 0) {
@@ -157,7 +175,10 @@ __global__ void __launch_bounds__(kThreads)
   for_each_held<R>(h, column, [&](int r, int64_t v) {
     A res[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], dy_scale[j], x_scale[j], bias[j]);
+    for (int j = 0; j < N; ++j) {
+      ep.store_dz(v * N + j, ds[r][j]);
+      res[j] = affine<A, true>(xs[r][j], ds[r][j], m[j], dy_scale[j], x_scale[j], bias[j]);
+    }
     store<N>(out + v * N, res);
   });
 }

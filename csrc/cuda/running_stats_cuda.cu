@@ -1,5 +1,6 @@
 // The running-statistics update's kernel (running_stats_cuda.h).
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,16 +21,21 @@ constexpr int kRunningThreads = 256;
 __device__ __forceinline__ float product(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double product(double a, double b) { return __dmul_rn(a, b); }
 
-template <typename T>
+// R: the running buffers' dtype; S = opmath(R): the batch statistics'. A
+// half-precision buffer is updated as the tensor arithmetic does it: the
+// product in S, rounded to R, then at::lerp computing in S.
+template <typename R, typename S = at::opmath_type<R>>
 __global__ void __launch_bounds__(kRunningThreads)
-    update_running_kernel(T* running_mean, T* running_var, const T* mean, const T* variance, int64_t channels,
-                          T factor, T weight) {
+    update_running_kernel(R* running_mean, R* running_var, const S* mean, const S* variance, int64_t channels,
+                          S factor, S weight) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kRunningThreads + threadIdx.x;
   if (k >= channels) return;
-  if (running_mean != nullptr) running_mean[k] = math::lerp(running_mean[k], mean[k], weight);
+  const auto towards = [&](R running, S value) {
+    return static_cast<R>(math::lerp(static_cast<S>(running), static_cast<S>(static_cast<R>(value)), weight));
+  };
+  if (running_mean != nullptr) running_mean[k] = towards(running_mean[k], mean[k]);
   if (running_var != nullptr) {
-    const T unbiased = factor == T(1) ? variance[k] : product(variance[k], factor);
-    running_var[k] = math::lerp(running_var[k], unbiased, weight);
+    running_var[k] = towards(running_var[k], factor == S(1) ? variance[k] : product(variance[k], factor));
   }
 }
 
@@ -40,13 +46,14 @@ void update_running_stats(const at::Tensor* running_mean, const at::Tensor* runn
   const int64_t channels = mean.numel();
   if (channels == 0 || (running_mean == nullptr && running_var == nullptr)) return;
   const c10::cuda::CUDAGuard guard(mean.device());
-  AT_DISPATCH_FLOATING_TYPES(mean.scalar_type(), "update_running_stats_cuda", [&] {
+  const at::Tensor& running = running_mean != nullptr ? *running_mean : *running_var;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running.scalar_type(), "update_running_stats_cuda", [&] {
+    using S = at::opmath_type<scalar_t>;
     const auto blocks = static_cast<unsigned>(ceil_div(channels, int64_t{kRunningThreads}));
     update_running_kernel<scalar_t><<<blocks, kRunningThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         running_mean != nullptr ? running_mean->mutable_data_ptr<scalar_t>() : nullptr,
-        running_var != nullptr ? running_var->mutable_data_ptr<scalar_t>() : nullptr, mean.const_data_ptr<scalar_t>(),
-        variance.const_data_ptr<scalar_t>(), channels, static_cast<scalar_t>(factor),
-        static_cast<scalar_t>(momentum));
+        running_var != nullptr ? running_var->mutable_data_ptr<scalar_t>() : nullptr, mean.const_data_ptr<S>(),
+        variance.const_data_ptr<S>(), channels, static_cast<S>(factor), static_cast<S>(momentum));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
