@@ -62,7 +62,7 @@ void with_persistent_kernel(const PersistentLaunch<G>& l, int width, const F& on
 template <typename T, typename OnPlane, typename OnColumns>
 bool launch_persistent(const Extent& e, std::initializer_list<const void*> pointers, const OnPlane& plane,
                        const OnColumns& columns) {
-  if (use_planes<T>(e)) {
+  if (use_persistent_planes<T>(e)) {
     const int width = vector_width<T>(e.inner, pointers);
     const auto l = plan_persistent_plane<T>(e, width);
     if (!l) return false;

@@ -135,6 +135,15 @@ constexpr int kPersistentItems = 128 / static_cast<int>(sizeof(at::opmath_type<T
 // Narrowest row segment of a columns tile: one 32-byte sector, read whole.
 constexpr int64_t kSectorBytes = 32;
 
+// The persistent variant reads planes from one sector a row segment on, below
+// use_planes' 128 bytes: a 7x7 plane of 16-bit values (98 bytes) is then read
+// once in one launch, where the columns partition takes three launches and
+// two reads.
+template <typename T>
+bool use_persistent_planes(const Extent& e) {
+  return e.inner * static_cast<int64_t>(sizeof(T)) >= kSectorBytes;
+}
+
 // The registers a thread reserves follow its slots, used or not: the backward
 // kernel at full size takes ~124 registers, two blocks per SM, so a layer of
 // 512 channels of 32x7x7 ran in two waves of latency-bound blocks (15 us on
