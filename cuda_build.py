@@ -211,7 +211,7 @@ def wheel_cudart(torch_cuda_version: str) -> Optional[str]:
 
 
 def _probe_compile(nvcc: str) -> None:
-    """nvcc compiles a one-line kernel with this machine's host compiler (nvcc
+    """nvcc compiles a one-line kernel with the host compiler it finds (nvcc
     refuses host compilers newer than it supports)."""
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "probe.cu")

@@ -87,7 +87,7 @@ def _aoti_package(ep, path, lowering: bool) -> str:
     try:
         return torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     except Exception as exc:  # noqa: BLE001 (no working C++ toolchain for Inductor here)
-        pytest.skip(f"AOTInductor cannot compile on this machine: {type(exc).__name__}: {exc}")
+        pytest.skip(f"AOTInductor cannot compile here (no working C++ toolchain): {type(exc).__name__}: {exc}")
     finally:
         torch_bn_grad.config.compile_lowering = previous
 

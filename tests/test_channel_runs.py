@@ -11,7 +11,7 @@ Linux describes CPU 0's L3, else the C library's; or
 runs their elementwise pass while they are still in its L2
 (``channel_run_channels`` in ``csrc/cpu/kernels/partition.h``).
 
-The accuracy cases run with the threshold at 8 MB, whatever this machine's
+The accuracy cases run with the threshold at 8 MB, whatever the host's
 caches, so that each takes the path it names, forward and backward (the
 fused forward writes its sign bits a run row at a time): every case below
 takes the runs but the last, whose odd channel count keeps 14x14 planes in the whole-array

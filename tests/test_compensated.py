@@ -101,7 +101,7 @@ def test_moments_match_float64(driver, tmp_path, case, schedule):
 
 
 def test_welford_in_float32_fails_the_same_input():
-    """The inputs are hard: float32 Welford per thread (the previous CUDA accumulation) is off by far more."""
+    """The inputs are hard: float32 Welford per thread (a plain CUDA accumulation) is off by far more."""
     x = _data("offset 1e3, variance 1e-6", 50_003)
     mean, m2 = np.float32(0), np.float32(0)
     for i, v in enumerate(x[:4096], 1):

@@ -44,7 +44,7 @@ def _toolkit() -> tuple[str, str, str] | None:
 
 TOOLKIT = _toolkit()
 TOOLKIT_SKIP = ("the installed torch is a CPU build" if torch.version.cuda is None
-                else f"no CUDA {torch.version.cuda.split('.')[0]}.x toolkit found on this machine")
+                else f"no CUDA {torch.version.cuda.split('.')[0]}.x toolkit found")
 needs_toolkit = pytest.mark.skipif(TOOLKIT is None, reason=TOOLKIT_SKIP)
 
 

@@ -167,7 +167,7 @@ def test_freeze_folds_traced_eval(fuse: bool) -> None:
 def test_freeze_keeps_scripted_batchnorm() -> None:
     """A scripted model keeps this library's operator under torch.jit.freeze (its training
     branch updates the running statistics in place, so freeze keeps them as attributes and
-    cannot fold them: README's limitation); the frozen model still gives torch's outputs."""
+    cannot fold them: a limitation in README); the frozen model still gives torch's outputs."""
     reference, ours = twins()
     frozen = torch.jit.freeze(torch.jit.script(ours))
     assert "torch_bn_grad::batch_norm_forward" in _batch_norm_nodes(frozen)

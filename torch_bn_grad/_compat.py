@@ -6,7 +6,7 @@ it, instead of somewhere deep in a training step. Those of optional features
 (the lowering under inductor, quantization's tables) are looked up when first
 needed and raise :class:`PrivateAPIMissing`, which their module turns into a
 warning and the feature off. The versions below are those the project is
-tested with (README).
+tested with (README, "Set up").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 and backward operators into ATen operations (the ones torch's own BatchNorm
 lowers to) that inductor fuses with their neighbours. False keeps the opaque
 fused kernels under inductor too, with their accuracy and reproducibility
-guarantees (see README, "torch.compile"). Eager mode, ``torch.export`` and
+guarantees (see docs/api.md, "torch_bn_grad.config"). Eager mode, ``torch.export`` and
 other backends always run the kernels. Set it before compiling: a model
 already compiled keeps what it was compiled with until ``torch._dynamo.reset()``;
 compile caches on disk are keyed by it.

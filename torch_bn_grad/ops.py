@@ -98,7 +98,7 @@ def batch_norm_act_forward(
     (and residual) instead of ``src`` and recovers ``src`` from it in the
     backward, so the gradients carry the stored output's rounding (in float32
     within a few units of the normal mode's; in float16 and bfloat16
-    ``diff_gamma`` is off by up to a few percent, see README); it needs an
+    ``diff_gamma`` is off by up to a few percent, see docs/api.md); it needs an
     invertible activation (``"identity"``, or ``"leaky_relu"`` with
     ``negative_slope > 0``) and a ``gamma`` without zeros.
     """

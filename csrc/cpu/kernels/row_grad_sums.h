@@ -58,7 +58,7 @@ struct RowGradSums : RowWalk<T> {
 
   // Whether the grad sums walk the block row by row (grad_sums_by_rows):
   // whole wide rows of a tensor that streams from memory (32 MB or more,
-  // this machine's L3), or of more than 8 MB with rows under 4 KB. By
+  // the L3 of the Zen 4 VM it was tuned on), or of more than 8 MB with rows under 4 KB. By
   // chunks, a run reads one 64-byte line of each of 8 rows of two tensors,
   // 16 streams that starved the loads of large tensors (half of the grad
   // sums' samples on the load of 4096x1024 float32, before the chunk walk's
