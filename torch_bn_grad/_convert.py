@@ -29,7 +29,7 @@ import importlib
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -88,68 +88,52 @@ class _ActAfter:
         return x
 
 
-def convert(
-    module: torch.nn.Module,
-    targets: Targets,
-    sync: bool,
-    process_group: Optional[dist.ProcessGroup],
-    subclasses: bool,
-) -> torch.nn.Module:
-    """The body of :func:`torch_bn_grad.nn.convert_batchnorm` (without ``fuse``)."""
-    skipped = Skipped()
-    module = convert_tree(module, targets, sync, process_group, subclasses, "", skipped)
-    skipped.warn(stacklevel=3)
-    return module
+@dataclass
+class Conversion:
+    """One ``convert_batchnorm`` call's choices, and what it left alone."""
 
+    targets: Targets
+    sync: bool
+    process_group: Optional[dist.ProcessGroup]
+    subclasses: bool
+    skipped: Skipped = field(default_factory=Skipped)
 
-def convert_tree(
-    module: torch.nn.Module,
-    targets: Targets,
-    sync: bool,
-    process_group: Optional[dist.ProcessGroup],
-    subclasses: bool,
-    name: str,
-    skipped: Skipped,
-) -> torch.nn.Module:
-    """``module`` with its BatchNorms replaced; what is left alone goes into ``skipped``."""
-    replaced = _replacement(module, targets, sync, process_group, subclasses, name or "the root module", skipped)
-    if replaced is not None:
-        return replaced
-    for child_name, child in module.named_children():
-        new_child = convert_tree(child, targets, sync, process_group, subclasses,
-                                 f"{name}.{child_name}" if name else child_name, skipped)
-        if new_child is not child:
-            setattr(module, child_name, new_child)
-    return module
+    def tree(self, module: torch.nn.Module, name: str = "") -> torch.nn.Module:
+        """``module`` with its BatchNorms replaced (children in place); the root's replacement if it is one."""
+        replaced = self._replacement(module, name or "the root module")
+        if replaced is not None:
+            return replaced
+        for child_name, child in module.named_children():
+            new_child = self.tree(child, f"{name}.{child_name}" if name else child_name)
+            if new_child is not child:
+                setattr(module, child_name, new_child)
+        return module
 
-
-def _replacement(
-    module: torch.nn.Module, targets: Targets, sync: bool, process_group: Optional[dist.ProcessGroup],
-    subclasses: bool, name: str, skipped: Skipped,
-) -> Optional[torch.nn.Module]:
-    """This library's module in place of a torch BatchNorm (sharing its state); None to keep it."""
-    if not isinstance(module, _BatchNorm) or isinstance(module, targets.forward):
-        return None
-    kind = type(module)
-    described = f"{name} ({_describe(kind)})"
-    if isinstance(module, LazyModuleMixin):
-        skipped.lazy.append(described)
-        return None
-    to_sync = sync or isinstance(module, torch.nn.SyncBatchNorm)
-    base = targets.sync if to_sync else targets.forward
-    if kind in targets.plain or kind is torch.nn.SyncBatchNorm:
-        target = targets.sync if to_sync else targets.plain[kind]
-    elif is_timm_norm_act(kind):
-        target = derived(kind, base, act=True)
-    elif not subclasses:
-        skipped.subclasses.append(described)
-        return None
-    elif kind.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):
-        target = derived(kind, base, act=False)
-    else:
-        skipped.own_forward.append(described)
-        return None
-    return adopt(module, target, targets, to_sync, process_group)
+    def _replacement(self, module: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+        """This library's module in place of a torch BatchNorm (sharing its state); None to keep it."""
+        targets, skipped = self.targets, self.skipped
+        if not isinstance(module, _BatchNorm) or isinstance(module, targets.forward):
+            return None
+        kind = type(module)
+        described = f"{name} ({_describe(kind)})"
+        if isinstance(module, LazyModuleMixin):
+            skipped.lazy.append(described)
+            return None
+        to_sync = self.sync or isinstance(module, torch.nn.SyncBatchNorm)
+        base = targets.sync if to_sync else targets.forward
+        if kind in targets.plain or kind is torch.nn.SyncBatchNorm:
+            target = targets.sync if to_sync else targets.plain[kind]
+        elif is_timm_norm_act(kind):
+            target = derived(kind, base, act=True)
+        elif not self.subclasses:
+            skipped.subclasses.append(described)
+            return None
+        elif kind.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):
+            target = derived(kind, base, act=False)
+        else:
+            skipped.own_forward.append(described)
+            return None
+        return adopt(module, target, targets, to_sync, self.process_group)
 
 
 def _describe(kind: type) -> str:

@@ -70,10 +70,10 @@ def fuse(
 ) -> nn.Module:
     """The body of ``convert_batchnorm(module, fuse=True)``."""
     unfused: list[tuple[str, str]] = []
-    skipped = _convert.Skipped()
     module = _fuse_timm(module, targets, "", sync, memory_saving, unfused)
-    module = _convert.convert_tree(module, targets, sync, process_group, subclasses, "", skipped)
-    skipped.warn(stacklevel=3)
+    conversion = _convert.Conversion(targets, sync, process_group, subclasses)
+    module = conversion.tree(module)
+    conversion.skipped.warn(stacklevel=3)
     module = _fuse_tree(module, targets, "", memory_saving, unfused)
     unfused = list(dict.fromkeys(unfused))  # a BatchNorm called twice is named once
     if unfused:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,15 @@ __all__ = [
     "BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d", "SyncBatchNormAct",
     "convert_batchnorm",
 ]
+
+
+class Statistics(NamedTuple):
+    """What ``_BatchNorm.forward`` normalizes with, as the modules choose it."""
+
+    running_mean: Optional[Tensor]
+    running_var: Optional[Tensor]
+    use_batch_stats: bool
+    momentum: Union[float, Tensor]  # the factor: a tensor for the cumulative average (momentum=None)
 
 
 class FusedForward:
@@ -42,7 +51,7 @@ class FusedForward:
             )
         if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
-        return self._normalize(input, *self._statistics())
+        return self._normalize(input, self._statistics())
 
     def _runs_torch_forward(self) -> bool:
         """Whether the forward is torch's ``_BatchNorm.forward``, for the graph
@@ -53,9 +62,9 @@ class FusedForward:
         operator, _script.py)."""
         return _compat.in_onnx_export() or (not self.training and _compat.jit_tracing())
 
-    def _statistics(self) -> tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]:
+    def _statistics(self) -> Statistics:
         """What ``_BatchNorm.forward`` normalizes with, counting this batch in
-        ``num_batches_tracked``: (running_mean, running_var, use_batch_stats, momentum factor)."""
+        ``num_batches_tracked``."""
         training, momentum = self.training, self.momentum
         buffers = self._buffers
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
@@ -68,21 +77,15 @@ class FusedForward:
                     # float64: 1 / an int64 tensor would be float32, off by 1e-8 relative.
                     factor = 1.0 / tracked.double()
         if not training:
-            return running_mean, running_var, running_mean is None and running_var is None, factor
+            return Statistics(running_mean, running_var, running_mean is None and running_var is None, factor)
         if not self.track_running_stats:
-            return None, None, True, factor
-        return running_mean, running_var, True, factor
+            return Statistics(None, None, True, factor)
+        return Statistics(running_mean, running_var, True, factor)
 
-    def _normalize(
-        self,
-        input: Tensor,
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
+    def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
         """The batch norm itself, once the module has chosen its statistics."""
-        return functional.batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum, self.eps)
+        return functional.batch_norm(input, stats.running_mean, stats.running_var, *self._affine(),
+                                     stats.use_batch_stats, stats.momentum, self.eps)
 
 
 class BatchNorm1d(FusedForward, torch.nn.BatchNorm1d):
@@ -135,18 +138,12 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
         torch.nn.SyncBatchNorm._check_input_dim(self, input)
         torch.nn.SyncBatchNorm._check_non_zero_input_channels(self, input)
 
-    def _normalize(
-        self,
-        input: Tensor,
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
+    def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
         group = self._sync_group() if self.training else None
         if group is None:
-            return super()._normalize(input, running_mean, running_var, use_batch_stats, momentum)
-        return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
+            return super()._normalize(input, stats)
+        return sync_batch_norm(input, stats.running_mean, stats.running_var, *self._affine(), stats.momentum, self.eps,
+                               group)
 
     def _sync_group(self) -> Optional[dist.ProcessGroup]:
         """The process group to synchronize over, or None to run locally."""
@@ -199,7 +196,7 @@ class ActForward(FusedForward):
             return self._add_activate(y, residual)
         if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
             return self._add_activate(_BatchNorm.forward(self, input), residual)
-        return self._normalize_act(input, residual, *self._statistics())
+        return self._normalize_act(input, residual, self._statistics())
 
     def _add_activate(self, y: Tensor, residual: Optional[Tensor]) -> Tensor:
         """The add and activation as torch operations, after a normalization that did not fuse them."""
@@ -214,20 +211,13 @@ class ActForward(FusedForward):
         return residual is not None and not (
             residual.shape == input.shape and residual.dtype == input.dtype and residual.device == input.device)
 
-    def _normalize_act(
-        self,
-        input: Tensor,
-        residual: Optional[Tensor],
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
+    def _normalize_act(self, input: Tensor, residual: Optional[Tensor], stats: Statistics) -> Tensor:
         if self._composes(input, residual):
-            y = self._normalize(input, running_mean, running_var, use_batch_stats, momentum)
+            y = self._normalize(input, stats)
             return self._add_activate(y, residual)
         return functional.batch_norm_act(
-            input, running_mean, running_var, *self._affine(), use_batch_stats, momentum, self.eps,
+            input, stats.running_mean, stats.running_var, *self._affine(), stats.use_batch_stats, stats.momentum,
+            self.eps,
             residual=residual, activation=self.activation, negative_slope=self.negative_slope,
             memory_saving=self.memory_saving,
         )
@@ -328,7 +318,10 @@ def convert_batchnorm(
         raise ValueError("convert_batchnorm: memory_saving=True needs fuse=True")
     if fuse:
         return _fuse.fuse(module, TARGETS, sync, process_group, subclasses, memory_saving)
-    return _convert.convert(module, TARGETS, sync, process_group, subclasses)
+    conversion = _convert.Conversion(TARGETS, sync, process_group, subclasses)
+    module = conversion.tree(module)
+    conversion.skipped.warn(stacklevel=2)
+    return module
 
 
 def __getattr__(name: str) -> type:
