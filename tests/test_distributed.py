@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from gloo_ranks import WORLD_SIZE, run_on_ranks
+from gloo_ranks import run_on_ranks
 from reference import TOLERANCES, assert_modules_match
 
 TIMEOUT_S = 240  # the whole run, compilation included
@@ -132,7 +132,7 @@ def _run_suite(rank: int, suite: str) -> dict:
 
 
 def _spawn(suite: str, out_dir: Path) -> list[dict]:
-    """Runs a suite of scenarios on WORLD_SIZE spawned processes; each rank's results."""
+    """Runs a suite of scenarios on the spawned processes; each rank's results."""
     return run_on_ranks(_run_suite, (suite,), out_dir, TIMEOUT_S)
 
 

@@ -20,10 +20,10 @@ import sys
 import threading
 from typing import Any
 
-import torch
 
 from torch_bn_grad import _compat, _inductor_act, _lowering, config
 from torch_bn_grad._compat import INDUCTOR_DECOMPOSITION_MODULE as _DECOMPOSITION_MODULE
+
 # An entry of inductor's config that enters the compile caches' keys (FX graph
 # cache and AOTAutograd cache), so that a compilation made with the lowering
 # is never reused without it, and the reverse, nor one made by another version

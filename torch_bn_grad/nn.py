@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -19,13 +19,10 @@ __all__ = [
 ]
 
 
-class Statistics(NamedTuple):
-    """What ``_BatchNorm.forward`` normalizes with, as the modules choose it."""
-
-    running_mean: Optional[Tensor]
-    running_var: Optional[Tensor]
-    use_batch_stats: bool
-    momentum: Union[float, Tensor]  # the factor: a tensor for the cumulative average (momentum=None)
+# What ``_BatchNorm.forward`` normalizes with, as the modules choose it: (running_mean,
+# running_var, use_batch_stats, momentum factor: a tensor for the cumulative average).
+# A plain tuple: a NamedTuple's construction costs a small eval forward a few percent.
+Statistics = tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]
 
 
 class FusedForward:
@@ -77,15 +74,16 @@ class FusedForward:
                     # float64: 1 / an int64 tensor would be float32, off by 1e-8 relative.
                     factor = 1.0 / tracked.double()
         if not training:
-            return Statistics(running_mean, running_var, running_mean is None and running_var is None, factor)
+            return running_mean, running_var, running_mean is None and running_var is None, factor
         if not self.track_running_stats:
-            return Statistics(None, None, True, factor)
-        return Statistics(running_mean, running_var, True, factor)
+            return None, None, True, factor
+        return running_mean, running_var, True, factor
 
     def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
         """The batch norm itself, once the module has chosen its statistics."""
-        return functional.batch_norm(input, stats.running_mean, stats.running_var, *self._affine(),
-                                     stats.use_batch_stats, stats.momentum, self.eps)
+        running_mean, running_var, use_batch_stats, momentum = stats
+        return functional.batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
+                                     self.eps)
 
 
 class BatchNorm1d(FusedForward, torch.nn.BatchNorm1d):
@@ -142,8 +140,8 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
         group = self._sync_group() if self.training else None
         if group is None:
             return super()._normalize(input, stats)
-        return sync_batch_norm(input, stats.running_mean, stats.running_var, *self._affine(), stats.momentum, self.eps,
-                               group)
+        running_mean, running_var, _, momentum = stats
+        return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
 
     def _sync_group(self) -> Optional[dist.ProcessGroup]:
         """The process group to synchronize over, or None to run locally."""
@@ -215,9 +213,9 @@ class ActForward(FusedForward):
         if self._composes(input, residual):
             y = self._normalize(input, stats)
             return self._add_activate(y, residual)
+        running_mean, running_var, use_batch_stats, momentum = stats
         return functional.batch_norm_act(
-            input, stats.running_mean, stats.running_var, *self._affine(), stats.use_batch_stats, stats.momentum,
-            self.eps,
+            input, running_mean, running_var, *self._affine(), use_batch_stats, momentum, self.eps,
             residual=residual, activation=self.activation, negative_slope=self.negative_slope,
             memory_saving=self.memory_saving,
         )
