@@ -1,4 +1,4 @@
-"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._inductor).
+"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._lowering, registered by _inductor).
 
 Compiled models and operators against eager mode: values, gradients and running
 statistics, in both memory formats and in float32 and bfloat16; the forms that
