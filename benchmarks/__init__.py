@@ -12,5 +12,5 @@
   ``fused_overhead.py``: the same for the fused BatchNormAct2d. Both time with
   ``_per_call.py``.
 * ``fused.py``: fused BatchNorm + add + ReLU against torch's separate operators.
-* ``allocators.py``: ``examples/train.py`` under each memory allocator.
+* ``allocators.py``: ``examples/speed.py`` under each memory allocator.
 """

@@ -1,4 +1,4 @@
-"""Whole training steps under each memory allocator: ``examples/train.py``
+"""Whole training steps under each memory allocator: ``examples/speed.py``
 (torch's BatchNorm against ours, same model and weights, steps interleaved in
 one process) run in a fresh subprocess per configuration:
 
@@ -11,7 +11,7 @@ one process) run in a fresh subprocess per configuration:
 * our CPU output cache: on (the default) or off (``TORCH_BN_GRAD_OUTPUT_CACHE_MB=0``).
 
 It prints one table: per configuration, the median over ``--repeats`` runs of
-train.py's median step time with torch's BatchNorm (native), with ours, and
+speed.py's median step time with torch's BatchNorm (native), with ours, and
 their ratio native / ours (above 1: ours is faster). Configurations alternate
 within each repeat, so that slow drifts of a shared machine spread over all.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "train.py"
+SPEED = ROOT / "examples" / "speed.py"
 LIB = Path("/usr/lib/x86_64-linux-gnu")
 # glibc's tunables (mallopt's, read at start-up) that keep every block in its heap
 # (never a fresh mapping) and never hand memory back to the system.
@@ -68,7 +68,7 @@ class Row:
 def environment(allocator: str, cache: str) -> dict[str, str]:
     """The subprocess's environment for one configuration."""
     env = {k: v for k, v in os.environ.items() if k not in _CONTROLLED}
-    # This source tree's torch_bn_grad, as with an editable install (train.py's own folder comes first).
+    # This source tree's torch_bn_grad, as with an editable install (speed.py's own folder comes first).
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env.update(ALLOCATORS[allocator][0])
     env.update(CACHE[cache])
@@ -76,19 +76,19 @@ def environment(allocator: str, cache: str) -> dict[str, str]:
 
 
 def parse(output: str) -> tuple[float, float]:
-    """(torch BatchNorm ms, ours ms) from train.py's output."""
+    """(torch BatchNorm ms, ours ms) from speed.py's output."""
     match = _STEP.search(output)
     if match is None:
-        raise RuntimeError(f"no 'median training step' line in examples/train.py's output:\n{output}")
+        raise RuntimeError(f"no 'median training step' line in examples/speed.py's output:\n{output}")
     return float(match.group(1)), float(match.group(2))
 
 
 def run_once(allocator: str, cache: str, train_args: list[str]) -> tuple[float, float]:
-    """One run of examples/train.py in a subprocess; (native ms, ours ms)."""
-    done = subprocess.run([sys.executable, str(TRAIN), *train_args], env=environment(allocator, cache),
+    """One run of examples/speed.py in a subprocess; (native ms, ours ms)."""
+    done = subprocess.run([sys.executable, str(SPEED), *train_args], env=environment(allocator, cache),
                           cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"examples/train.py failed under {allocator}, cache {cache} "
+        raise RuntimeError(f"examples/speed.py failed under {allocator}, cache {cache} "
                            f"(exit {done.returncode}):\n{done.stdout}{done.stderr}")
     return parse(done.stdout)
 
@@ -141,12 +141,11 @@ def table(rows: list[Row]) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--allocators", default=",".join(ALLOCATORS), help="subset of " + ",".join(ALLOCATORS))
-    parser.add_argument("--repeats", type=int, default=3, help="runs of train.py per configuration")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of speed.py per configuration")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=48)
-    parser.add_argument("--timing-steps", type=int, default=30, help="train.py's timed steps per model")
-    parser.add_argument("--epochs", type=int, default=0, help="train.py's training epochs before timing")
-    parser.add_argument("--samples", type=int, default=512, help="train.py's synthetic data set size")
+    parser.add_argument("--timing-steps", type=int, default=30, help="speed.py's timed steps per model")
+    parser.add_argument("--samples", type=int, default=512, help="speed.py's synthetic data set size")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", metavar="FILE", help="write the rows (with every run) as JSON")
     args = parser.parse_args(argv)
@@ -154,11 +153,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if unknown:
         parser.error(f"unknown allocators {sorted(unknown)}; choose from {', '.join(ALLOCATORS)}")
     train_args = ["--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
-                  "--timing-steps", str(args.timing_steps), "--epochs", str(args.epochs),
+                  "--timing-steps", str(args.timing_steps),
                   "--samples", str(max(args.samples, args.batch_size * 4 // 3 + 1))]
     if args.threads:
         train_args += ["--threads", str(args.threads)]
-    print(f"examples/train.py {' '.join(train_args)}, {args.repeats} runs per configuration")
+    print(f"examples/speed.py {' '.join(train_args)}, {args.repeats} runs per configuration")
     rows = run(args.allocators.split(","), args.repeats, train_args)
     print(table(rows))
     if args.json:

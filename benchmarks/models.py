@@ -146,8 +146,8 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
     native = MODELS[model_name](num_classes).to(device, memory_format=memory_format).train(mode == "train")
 
     def converted(**kwargs) -> torch.nn.Module:
-        # subclasses=True: timm's BatchNormAct2d too (the ResNets have no subclasses).
-        return torch_bn_grad.convert_batchnorm(copy.deepcopy(native), subclasses=True, **kwargs)
+        # The default converts timm's BatchNormAct2d too.
+        return torch_bn_grad.convert_batchnorm(copy.deepcopy(native), **kwargs)
 
     variants = {"native": native, "ours": converted()}
     compiled = execution == "compile"

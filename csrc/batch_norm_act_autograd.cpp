@@ -15,7 +15,6 @@
 // A plain Node, as batch_norm_autograd.cpp's (torch::autograd::Function is
 // refused under torch.func transforms).
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -29,6 +28,7 @@
 
 #include "autograd_node.h"
 #include "channel_algebra.h"
+#include "dispatch_handles.h"
 #include "forward_ad.h"
 #include "forward_grad.h"
 
@@ -37,39 +37,28 @@ namespace {
 
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-using OptionalTensor = std::optional<at::Tensor>;
-using Outputs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using Outputs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 const auto& act_forward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torch_bn_grad::batch_norm_act_forward", "")
-          .typed<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-                          const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
-                          c10::string_view, bool)>();
+  static const auto op = typed_operator<Outputs3(
+      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
+      const OptionalTensor&, double, c10::string_view, double, c10::string_view, bool)>(
+      "torch_bn_grad::batch_norm_act_forward");
   return op;
 }
 
 const auto& act_forward_sign_bits_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torch_bn_grad::batch_norm_act_forward_sign_bits", "")
-          .typed<Outputs4(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-                          const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
-                          c10::string_view)>();
+  static const auto op = typed_operator<Outputs4(
+      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
+      const OptionalTensor&, double, c10::string_view, double, c10::string_view)>(
+      "torch_bn_grad::batch_norm_act_forward_sign_bits");
   return op;
 }
 
 const auto& act_backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torch_bn_grad::batch_norm_act_backward", "")
-          .typed<Outputs4(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-                          const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double,
-                          c10::string_view, double, c10::string_view, bool, bool, std::array<bool, 4>,
-                          const OptionalTensor&)>();
+  static const auto op = typed_operator<Outputs4(
+      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
+      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
+      c10::string_view, bool, bool, std::array<bool, 4>, const OptionalTensor&)>(
+      "torch_bn_grad::batch_norm_act_backward");
   return op;
 }
 

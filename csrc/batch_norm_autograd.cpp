@@ -7,7 +7,6 @@
 // any order flow through the differentiable operators it is made of
 // (batch_norm_backward has its own autograd formula).
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -20,6 +19,7 @@
 
 #include "autograd_node.h"
 #include "channel_algebra.h"
+#include "dispatch_handles.h"
 #include "forward_ad.h"
 #include "forward_grad.h"
 
@@ -27,25 +27,17 @@ namespace torch_bn_grad {
 namespace {
 
 using torch::autograd::variable_list;
-using OptionalTensor = std::optional<at::Tensor>;
-using Outputs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-using Outputs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
 const auto& forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torch_bn_grad::batch_norm_forward", "")
-                             .typed<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                                             const OptionalTensor&, const OptionalTensor&, double,
-                                             c10::string_view)>();
+  static const auto op = typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                                 const OptionalTensor&, const OptionalTensor&, double,
+                                                 c10::string_view)>("torch_bn_grad::batch_norm_forward");
   return op;
 }
 
 const auto& backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torch_bn_grad::batch_norm_backward", "")
-                             .typed<Outputs3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                             const at::Tensor&, const OptionalTensor&, double, c10::string_view,
-                                             bool, std::array<bool, 3>)>();
+  static const auto op = typed_operator<Outputs3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const OptionalTensor&, double, c10::string_view,
+                                                 bool, std::array<bool, 3>)>("torch_bn_grad::batch_norm_backward");
   return op;
 }
 
@@ -213,10 +205,9 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
 void update_running_stats_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
                                    const at::Tensor& mean, const at::Tensor& variance, int64_t count,
                                    double momentum) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torch_bn_grad::batch_norm_update_running_stats", "")
-                             .typed<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
-                                         const at::Tensor&, int64_t, double)>();
+  static const auto op = typed_operator<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
+                                             const at::Tensor&, int64_t, double)>(
+      "torch_bn_grad::batch_norm_update_running_stats");
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.call(running_mean, running_var, mean, variance, count, momentum);

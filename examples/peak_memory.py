@@ -5,7 +5,7 @@ Each variant runs in its own process: the model takes a few full training
 steps, and the script prints how far the process's peak resident memory rose
 above what it held before the first step.
 
-* ``--model example`` (default): the example model (examples/train.py); torch's
+* ``--model example`` (default): the example model (examples/common.py); torch's
   BatchNorm, ours, ours with the output cache off.
 * ``--model resnet18|resnet50``: the project's ResNet (benchmarks/resnets.py)
   with LeakyReLU(0.01) activations, so that the memory-saving mode applies;
@@ -54,7 +54,7 @@ def measure(model_name: str, variant: str, batch: int, size: int, steps: int) ->
 
     torch.manual_seed(0)
     if model_name == "example":
-        from train import make_model
+        from common import make_model
 
         model = make_model(8).to(memory_format=torch.channels_last)
         if variant != "torch BatchNorm":

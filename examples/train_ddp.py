@@ -1,6 +1,6 @@
 """Data-parallel training with DistributedDataParallel and torch_bn_grad's SyncBatchNorm.
 
-The model and data of examples/train.py. Each process trains on its own slice
+The model and data of examples/common.py. Each process trains on its own slice
 of every batch (the slices may differ in size); the BatchNorm statistics and
 gradients span the whole batch. Runs on CPU with gloo (on CUDA with nccl when
 every process has a GPU):
@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_bn_grad
-from train import make_model, synthetic_data  # the single-process example (this script's directory)
+from common import make_model, synthetic_data  # this script's directory
 
 
 def local_slice(batch: int, rank: int, world: int) -> slice:

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from torch_bn_grad import _compat, _inductor
+from torch_bn_grad import _compat, _inductor, _lowering
 
 
 def test_inductor_version_gate(monkeypatch):
@@ -20,7 +20,7 @@ def test_inductor_version_gate(monkeypatch):
 
 def test_inductor_table_missing_warns_and_stays_opaque(monkeypatch):
     monkeypatch.setattr(_inductor, "_registered", False)
-    monkeypatch.setattr(_inductor, "_warned", False)
+    monkeypatch.setattr(_lowering, "_warned", False)
     with pytest.warns(RuntimeWarning, match=r"lacks the private API .*\(table\).*stay opaque"):
         assert _inductor._register(types.ModuleType("decomposition")) is False
     assert not _inductor.is_registered()

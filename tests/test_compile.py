@@ -17,17 +17,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
+from compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
 
 SPATIAL = (3, 6, 6)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from scratch and counts only its own graph breaks."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _model(momentum: Optional[float] = 0.1) -> torch.nn.Module:
@@ -53,20 +45,6 @@ def _inputs(batch: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, t
     return x.to(device), target.to(device)
 
 
-def _step(run, model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor):
-    """One SGD step through ``run`` (the model or its compiled form); returns the
-    output and the input and parameter gradients."""
-    x = x.clone().requires_grad_()
-    out = run(x)
-    torch.nn.functional.cross_entropy(out, target).backward()
-    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-            p.grad = None
-    return out.detach(), grads
-
-
 def _assert_same_state(model: torch.nn.Module, reference: torch.nn.Module) -> None:
     for (name, t), (_, ref) in zip(model.state_dict().items(), reference.state_dict().items()):
         torch.testing.assert_close(t, ref, msg=lambda m: f"{name}: {m}")
@@ -75,8 +53,8 @@ def _assert_same_state(model: torch.nn.Module, reference: torch.nn.Module) -> No
 def _assert_steps_match(compiled, model, reference, batches, device: str = "cpu") -> None:
     for seed, batch in enumerate(batches):
         x, target = _inputs(batch, seed, device)
-        out, grads = _step(compiled, model, x, target)
-        ref_out, ref_grads = _step(reference, reference, x, target)
+        out, grads = sgd_step(compiled, model, x, target)
+        ref_out, ref_grads = sgd_step(reference, reference, x, target)
         torch.testing.assert_close(out, ref_out)
         for grad, ref_grad in zip(grads, ref_grads):
             torch.testing.assert_close(grad, ref_grad)

@@ -1,4 +1,4 @@
-"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._inductor).
+"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._lowering, registered by _inductor).
 
 Compiled models and operators against eager mode: values, gradients and running
 statistics, in both memory formats and in float32 and bfloat16; the forms that
@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import torch_bn_grad
+from compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
 from reference import normalization_inputs
 from torch_bn_grad import _inductor, config
 
@@ -23,16 +24,6 @@ BACKWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_backward",)
 OPS = FORWARD_OPS + BACKWARD_OPS
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
        torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float16: dict(atol=2e-3, rtol=2e-3)}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    previous = config.compile_lowering
-    yield
-    config.compile_lowering = previous
-    torch._dynamo.reset()
 
 
 def _extern_calls(code: list[str], ops=OPS) -> int:
@@ -57,28 +48,14 @@ def _model(dtype: torch.dtype, memory_format: torch.memory_format) -> torch.nn.M
     return torch_bn_grad.convert_batchnorm(model).to(dtype=dtype, memory_format=memory_format)
 
 
-def _step(run, model, x, target):
-    x = x.clone().requires_grad_()
-    out = run(x)
-    if model.training:
-        torch.nn.functional.cross_entropy(out.float(), target).backward()
-        grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-                p.grad = None
-        return out.detach(), grads
-    return out.detach(), []
-
-
 def _compare(compiled, model, reference, dtype, memory_format, batches):
     tol = TOL[dtype]
     for seed, batch in enumerate(batches):
         g = torch.Generator().manual_seed(seed)
         x = (torch.randn(batch, 3, 6, 6, generator=g) * 2 + 0.5).to(dtype).contiguous(memory_format=memory_format)
         target = torch.randint(0, 5, (batch,), generator=g)
-        out, grads = _step(compiled, model, x, target)
-        ref_out, ref_grads = _step(reference, reference, x, target)
+        out, grads = sgd_step(compiled, model, x, target, backward=model.training)
+        ref_out, ref_grads = sgd_step(reference, reference, x, target, backward=reference.training)
         torch.testing.assert_close(out, ref_out, **tol)
         assert out.is_contiguous(memory_format=torch.contiguous_format if out.dim() < 4 else memory_format)
         for grad, ref_grad in zip(grads, ref_grads):

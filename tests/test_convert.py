@@ -38,7 +38,7 @@ needs_timm = pytest.mark.skipif(timm is None, reason=TIMM_SKIP)
 
 
 def _is_ours(m: torch.nn.Module) -> bool:
-    return isinstance(m, bn_nn._FusedForward)
+    return isinstance(m, bn_nn.FusedForward)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -122,8 +122,9 @@ def test_subclass_with_own_forward_and_lazy_warn():
     with pytest.warns(UserWarning) as record:
         torch_bn_grad.convert_batchnorm(model, subclasses=True)
     messages = [str(w.message) for w in record]
-    assert any("0 (" in m and "OwnForwardBN" in m and "forward of its own" in m for m in messages), messages
-    assert any("1 (" in m and "LazyBatchNorm2d" in m and "Lazy" in m for m in messages), messages
+    assert len(messages) == 1, messages
+    assert "forward of their own: 0 (" in messages[0] and "OwnForwardBN" in messages[0], messages
+    assert "Lazy BatchNorms" in messages[0] and "1 (torch.nn.modules.batchnorm.LazyBatchNorm2d)" in messages[0]
     assert type(model[0]) is OwnForwardBN and type(model[1]) is torch.nn.LazyBatchNorm2d
     assert type(model[2]) is bn_nn.BatchNorm2d
 
@@ -241,7 +242,9 @@ def test_pickle_of_converted_subclass_in_a_fresh_process(tmp_path):
 def test_timm_batchnormact2d_composition():
     layer = BatchNormAct2d(4, act_layer=torch.nn.SiLU, drop_layer=lambda: torch.nn.Dropout(0.0)).double()
     ref = copy.deepcopy(layer)
-    new = torch_bn_grad.convert_batchnorm(layer, subclasses=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = torch_bn_grad.convert_batchnorm(layer)  # the default converts timm's norm-act classes
     assert _is_ours(new) and isinstance(new, BatchNormAct2d)
     assert new.act is layer.act and new.drop is layer.drop
     assert new.state_dict().keys() == ref.state_dict().keys()
@@ -251,8 +254,42 @@ def test_timm_batchnormact2d_composition():
         _assert_same_run(ref, new, x)
     # No act (apply_act=False): the normalization alone.
     plain = BatchNormAct2d(4, apply_act=False).double()
-    converted = torch_bn_grad.convert_batchnorm(copy.deepcopy(plain), subclasses=True)
+    converted = torch_bn_grad.convert_batchnorm(copy.deepcopy(plain))
     _assert_same_run(plain, converted, x)
+
+
+@needs_timm
+@pytest.mark.parametrize("act", ["relu", "silu", "leaky_relu", "gelu", "hard_swish", "identity"])
+@pytest.mark.parametrize("drop", [None, 0.3])
+def test_timm_batchnormact2d_default_conversion_keeps_drop_and_act(act, drop):
+    """timm's forward (batch norm, drop, act) on this library's batch norm: equal outputs,
+    input and parameter gradients and buffers in train and eval, a real Dropout included
+    (the same random mask on both sides)."""
+    from timm.layers import get_act_layer
+
+    drop_layer = None if drop is None else (lambda: torch.nn.Dropout(drop))
+    layer = BatchNormAct2d(4, act_layer=get_act_layer(act), drop_layer=drop_layer, inplace=False).double()
+    ref = copy.deepcopy(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = torch_bn_grad.convert_batchnorm(layer)
+    assert _is_ours(new) and isinstance(new, BatchNormAct2d) and new.act is layer.act and new.drop is layer.drop
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    for train in (True, True, False):
+        ref.train(train), new.train(train)
+        xr, xn = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(1)
+        yr = ref(xr)
+        torch.manual_seed(1)
+        yn = new(xn)
+        _close(yn, yr, "output")
+        g = torch.randn_like(yr)
+        yr.backward(g), yn.backward(g)
+        _close(xn.grad, xr.grad, "input gradient")
+        for (name, pr), (_, pn) in zip(ref.named_parameters(), new.named_parameters()):
+            _close(pn.grad, pr.grad, f"gradient of {name}")
+        for (name, br), (_, bn) in zip(ref.named_buffers(), new.named_buffers()):
+            _close(bn.double(), br.double(), name)
 
 
 @needs_timm
@@ -262,8 +299,10 @@ def test_timm_sync_batchnormact_is_converted():
     model = convert_sync_batchnorm(torch.nn.Sequential(BatchNormAct2d(4))).double()
     assert type(model[0]).__name__ == "SyncBatchNormAct"
     ref = copy.deepcopy(model)
-    torch_bn_grad.convert_batchnorm(model, subclasses=True)
-    assert isinstance(model[0], bn_nn.SyncBatchNorm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_bn_grad.convert_batchnorm(model)
+    assert isinstance(model[0], bn_nn.SyncBatchNorm) and type(model[0]).__name__ == "SyncBatchNormAct"
     _assert_same_run(ref, model, torch.randn(3, 4, 5, 5, dtype=torch.float64))
 
 
@@ -272,7 +311,7 @@ TIMM_MODELS = ["efficientnet_b0", "mobilenetv3_small_100", "regnetx_002", "dense
 
 @needs_timm
 @pytest.mark.parametrize("name", TIMM_MODELS)
-def test_timm_model_converts_every_batchnorm(name):
+def test_timm_model_converts_every_batchnorm_by_default(name):
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10).double()
     batchnorms = sum(isinstance(m, _BatchNorm) for m in model.modules())
@@ -280,7 +319,7 @@ def test_timm_model_converts_every_batchnorm(name):
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        converted = torch_bn_grad.convert_batchnorm(model, subclasses=True)
+        converted = torch_bn_grad.convert_batchnorm(model)
     assert sum(_is_ours(m) for m in converted.modules()) == batchnorms
     assert sum(isinstance(m, _BatchNorm) and not _is_ours(m) for m in converted.modules()) == 0
     assert converted.state_dict().keys() == ref.state_dict().keys()
@@ -299,9 +338,18 @@ def test_timm_model_converts_every_batchnorm(name):
     converted.load_state_dict(torch.load(buf))
 
 
-def test_subclasses_are_left_alone_by_default_with_a_warning() -> None:
-    """The contract's default: only torch's exact classes are replaced; a subclass is named, never skipped silently."""
-    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), TorchForwardBN(3))
-    with pytest.warns(UserWarning, match=r"1 \(.*\) is a subclass of torch's BatchNorm.*subclasses=True"):
+def test_subclasses_are_left_alone_by_default_with_one_warning() -> None:
+    """The default: torch's exact classes and timm's norm-act classes are replaced; any other
+    subclass is named, never skipped silently, and all of them in one warning."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), TorchForwardBN(3),
+                                torch.nn.Sequential(TorchForwardBN(3), OwnForwardBN(3)))
+    with pytest.warns(UserWarning) as record:
         torch_bn_grad.convert_batchnorm(model)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1, messages
+    assert "subclasses=True" in messages[0]
+    for name in ("1 (tests.test_convert.TorchForwardBN)", "2.0 (tests.test_convert.TorchForwardBN)",
+                 "2.1 (tests.test_convert.OwnForwardBN)"):
+        assert name.replace("tests.", "") in messages[0].replace("tests.", ""), messages[0]
     assert type(model[0]) is torch_bn_grad.nn.BatchNorm2d and type(model[1]) is TorchForwardBN
+    assert type(model[2][0]) is TorchForwardBN and type(model[2][1]) is OwnForwardBN

@@ -11,10 +11,7 @@ saves what it saw, and the tests compare it here. Every wait is bounded.
 from __future__ import annotations
 
 import copy
-import datetime
 import math
-import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -22,13 +19,12 @@ from typing import Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
+from gloo_ranks import run_on_ranks
 from reference import TOLERANCES, assert_modules_match
 
-WORLD_SIZE = 2
 TIMEOUT_S = 240  # the whole run, compilation included
 STEPS = 3
 
@@ -130,60 +126,20 @@ def _run_scenario(scenario: Scenario, rank: int, groups: dict) -> dict:
     return result
 
 
-def _worker(rank: int, port: int, out_dir: str, suite: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE,
-                                timeout=datetime.timedelta(seconds=60))
-        groups = {"world": None, "pair": dist.new_group([0, 1])}
-        results = {name: _run_scenario(s, rank, groups) for name, s in SUITES[suite].items()}
-        dist.destroy_process_group()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
+def _run_suite(rank: int, suite: str) -> dict:
+    groups = {"world": None, "pair": dist.new_group([0, 1])}
+    return {name: _run_scenario(s, rank, groups) for name, s in SUITES[suite].items()}
 
 
 def _spawn(suite: str, out_dir: Path) -> list[dict]:
-    """Runs a suite of scenarios on WORLD_SIZE spawned processes; each rank's results."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    # The parent holds the rendezvous store on a free port: no port race.
-    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    context = mp.start_processes(_worker, args=(store.port, str(out_dir), suite), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")
-    try:
-        problem = _join(context, TIMEOUT_S)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    errors = [p.read_text() for p in sorted(out_dir.glob("*.error"))]
-    assert not errors, "worker failed:\n" + "\n".join(errors)
-    assert problem is None, problem
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    """Runs a suite of scenarios on the spawned processes; each rank's results."""
+    return run_on_ranks(_run_suite, (suite,), out_dir, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory) -> list[dict]:
     """Every default scenario's results on each rank, from one pair of spawned processes."""
     return _spawn("default", tmp_path_factory.mktemp("sync"))
-
-
-def _join(context, timeout_s: float) -> Optional[str]:
-    """Waits for the workers at most `timeout_s`: None when they all finished, else what went wrong."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if context.join(timeout=1):
-                return None
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-            return f"a worker failed: {error}"
-    return f"workers did not finish within {timeout_s} s"
 
 
 # ------------------------------------------------------------------ the reference and the checks

@@ -224,8 +224,8 @@ def test_running_stats_update_as_batch_norm():
     batch_norm_act(x, *stats, training=True, momentum=0.3)
     torch_bn_grad.functional.batch_norm(x, *stats2, training=True, momentum=0.3)
     torch.testing.assert_close(stats, stats2, atol=0, rtol=0)
-    torch_bn_grad.functional._batch_norm_act(x, *stats, None, None, True, torch.tensor(0.5), EPS)
-    torch_bn_grad.functional._batch_norm(x, *stats2, None, None, True, torch.tensor(0.5), EPS)
+    torch_bn_grad.functional.batch_norm_act(x, *stats, None, None, True, torch.tensor(0.5), EPS)
+    torch_bn_grad.functional.batch_norm(x, *stats2, None, None, True, torch.tensor(0.5), EPS)
     torch.testing.assert_close(stats, stats2, atol=0, rtol=0)
 
 
@@ -357,7 +357,7 @@ def test_inductor_rewrites_match_the_operators(activation, layout, monkeypatch):
     result where that gate is exact (the fused kernel's numbers, bit for bit), and
     keeps the operator otherwise (silu); the whole rewrite (taken on CUDA) is
     checked here with that rule switched off."""
-    from torch_bn_grad import _inductor, _inductor_act
+    from torch_bn_grad import _inductor, _inductor_act, _lowering
 
     assert _inductor.ensure_registered()
     import torch._inductor.decomposition as decomposition
@@ -380,7 +380,7 @@ def test_inductor_rewrites_match_the_operators(activation, layout, monkeypatch):
         for got, want in zip(rewrites[bwd](*train_args), bwd(*train_args)):
             assert torch.equal(got, want)
             assert got.stride() == want.stride()
-    monkeypatch.setattr(_inductor, "reduces_in_kernel", lambda src, training: False)
+    monkeypatch.setattr(_lowering, "reduces_in_kernel", lambda src, training: False)
     for training in (True, False):
         args = (dy, x, y, r, m, v, w, b, EPS, activation, SLOPE, "NCX", training, False, [True] * 4)
         torch.testing.assert_close(rewrites[bwd](*args), bwd(*args), atol=1e-4, rtol=1e-4)

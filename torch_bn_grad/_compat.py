@@ -127,7 +127,7 @@ class PrivateAPIMissing(RuntimeError):
     """An optional private torch API is missing or not as expected; the message says which."""
 
 
-# Inductor (the lowering under torch.compile, _inductor.py).
+# Inductor (the lowering under torch.compile: _lowering.py, registered by _inductor.py).
 INDUCTOR_MIN_TORCH = (2, 5)
 INDUCTOR_DECOMPOSITION_MODULE = "torch._inductor.decomposition"
 

@@ -3,25 +3,33 @@
 * A module whose type is exactly torch's ``BatchNorm1d/2d/3d`` becomes this
   library's class of that name; torch's ``SyncBatchNorm`` (and every one of
   them with ``sync=True``) becomes :class:`torch_bn_grad.nn.SyncBatchNorm`.
-* A subclass of torch's BatchNorm whose ``forward`` is torch's own becomes an
-  instance of a class derived from it with this library's forward in front
-  (so ``isinstance`` and the subclass's other methods and attributes stay).
-* timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` (``timm.layers.norm_act``)
-  become likewise derived classes whose forward is this library's batch norm,
-  then the module's ``drop``, then its ``act``, as timm's forward does.
-* Any other subclass (its own ``forward``) and the Lazy variants stay as they
-  are, each named in a ``UserWarning``.
+* timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` (``timm.layers.norm_act``,
+  with timm's own forward: batch norm, then ``drop``, then ``act``) become
+  classes derived from them whose forward is this library's batch norm, then
+  the module's ``drop``, then its ``act``: always, as their semantics are known.
+* With ``subclasses=True``, a subclass of torch's BatchNorm whose ``forward``
+  is torch's own becomes an instance of a class derived from it with this
+  library's forward in front (so ``isinstance`` and the subclass's other
+  methods and attributes stay).
+* Any other subclass and the Lazy variants stay as they are, all named in one
+  ``UserWarning``.
 
 A replacement takes over the original's whole state: the same Parameter and
 buffer objects, ``training``, submodules (timm's ``act``/``drop``), the
 subclass's attributes and every hook (forward, forward-pre, backward,
 state_dict and load_state_dict), whose handles keep working.
+
+The classes it produces are :mod:`torch_bn_grad.nn`'s, which that module
+passes in (:class:`Targets`): this module sits below it.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -29,8 +37,42 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-_TIMM_NORM_ACT = "timm.layers.norm_act"
+TIMM_NORM_ACT = "timm.layers.norm_act"
 _TIMM_CLASSES = ("BatchNormAct2d", "SyncBatchNormAct")
+
+
+@dataclass(frozen=True)
+class Targets:
+    """This library's module classes (defined in :mod:`torch_bn_grad.nn`)."""
+
+    plain: Mapping[type, type]  # torch's BatchNorm1d/2d/3d -> this library's
+    sync: type  # SyncBatchNorm
+    forward: type  # the forward every converted module has (FusedForward)
+    act_forward: type  # the fused modules' forward (ActForward)
+    fused: Mapping[type, type]  # BatchNorm1d/2d/3d, SyncBatchNorm -> their fused BatchNormAct
+
+
+class Skipped:
+    """The modules a conversion leaves alone, for one warning at the end."""
+
+    def __init__(self) -> None:
+        self.lazy: list[str] = []
+        self.subclasses: list[str] = []
+        self.own_forward: list[str] = []
+
+    def warn(self, stacklevel: int) -> None:
+        parts = []
+        if self.subclasses:
+            parts.append(f"subclasses of torch's BatchNorm (pass subclasses=True to convert those whose forward "
+                         f"is torch's own): {', '.join(self.subclasses)}")
+        if self.own_forward:
+            parts.append(f"subclasses of torch's BatchNorm with a forward of their own: {', '.join(self.own_forward)}")
+        if self.lazy:
+            parts.append(f"Lazy BatchNorms (run one forward pass, which makes them BatchNorms, before converting): "
+                         f"{', '.join(self.lazy)}")
+        if parts:
+            warnings.warn("convert_batchnorm left these unconverted:\n  " + "\n  ".join(parts), UserWarning,
+                          stacklevel=stacklevel + 1)
 
 
 class _ActAfter:
@@ -46,73 +88,61 @@ class _ActAfter:
         return x
 
 
-def convert(
-    module: torch.nn.Module,
-    sync: bool,
-    process_group: Optional[dist.ProcessGroup],
-    subclasses: bool = False,
-    name: str = "",
-    norm_act: bool = False,
-) -> torch.nn.Module:
-    """The body of :func:`torch_bn_grad.nn.convert_batchnorm`; ``norm_act``
-    converts timm's norm-act classes even when ``subclasses`` is false (``fuse=True``)."""
-    replaced = _replacement(module, sync, process_group, subclasses, name or "the root module", norm_act)
-    if replaced is not None:
-        return replaced
-    for child_name, child in module.named_children():
-        new_child = convert(child, sync, process_group, subclasses, f"{name}.{child_name}" if name else child_name,
-                            norm_act)
-        if new_child is not child:
-            setattr(module, child_name, new_child)
-    return module
+@dataclass
+class Conversion:
+    """One ``convert_batchnorm`` call's choices, and what it left alone."""
 
+    targets: Targets
+    sync: bool
+    process_group: Optional[dist.ProcessGroup]
+    subclasses: bool
+    skipped: Skipped = field(default_factory=Skipped)
 
-def _replacement(
-    module: torch.nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool, name: str,
-    norm_act: bool = False,
-) -> Optional[torch.nn.Module]:
-    """This library's module in place of a torch BatchNorm (sharing its state); None to keep it."""
-    from torch_bn_grad import nn as ours
+    def tree(self, module: torch.nn.Module, name: str = "") -> torch.nn.Module:
+        """``module`` with its BatchNorms replaced (children in place); the root's replacement if it is one."""
+        replaced = self._replacement(module, name or "the root module")
+        if replaced is not None:
+            return replaced
+        for child_name, child in module.named_children():
+            new_child = self.tree(child, f"{name}.{child_name}" if name else child_name)
+            if new_child is not child:
+                setattr(module, child_name, new_child)
+        return module
 
-    if not isinstance(module, _BatchNorm) or isinstance(module, ours._FusedForward):
-        return None
-    kind = type(module)
-    if isinstance(module, LazyModuleMixin):
-        warnings.warn(
-            f"convert_batchnorm: {name} ({_describe(kind)}) is a Lazy BatchNorm and was left unconverted; "
-            "run one forward pass (which makes it a BatchNorm) before converting", UserWarning, stacklevel=3)
-        return None
-    exact = {torch.nn.BatchNorm1d: ours.BatchNorm1d, torch.nn.BatchNorm2d: ours.BatchNorm2d,
-             torch.nn.BatchNorm3d: ours.BatchNorm3d}
-    to_sync = sync or isinstance(module, torch.nn.SyncBatchNorm)
-    if kind in exact or kind is torch.nn.SyncBatchNorm:
-        target = ours.SyncBatchNorm if to_sync else exact[kind]
-    elif not subclasses and not (norm_act and _is_timm_norm_act(kind)):
-        # The contract: subclasses stay as they are unless asked for; never silently.
-        warnings.warn(
-            f"convert_batchnorm: {name} ({_describe(kind)}) is a subclass of torch's BatchNorm and was left "
-            "unconverted; pass subclasses=True to convert subclasses whose forward is torch's own and timm's "
-            "BatchNormAct2d", UserWarning, stacklevel=3)
-        return None
-    elif _is_timm_norm_act(kind):
-        target = _derived(kind, ours.SyncBatchNorm if to_sync else ours._FusedForward, act=True)
-    elif kind.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):
-        target = _derived(kind, ours.SyncBatchNorm if to_sync else ours._FusedForward, act=False)
-    else:
-        warnings.warn(
-            f"convert_batchnorm: {name} ({_describe(kind)}) subclasses torch's BatchNorm with a forward of "
-            "its own, so it was left unconverted (only subclasses whose forward is torch's, and timm's "
-            "BatchNormAct2d, are converted)", UserWarning, stacklevel=3)
-        return None
-    return _adopt(module, target, to_sync, process_group)
+    def _replacement(self, module: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+        """This library's module in place of a torch BatchNorm (sharing its state); None to keep it."""
+        targets, skipped = self.targets, self.skipped
+        if not isinstance(module, _BatchNorm) or isinstance(module, targets.forward):
+            return None
+        kind = type(module)
+        described = f"{name} ({_describe(kind)})"
+        if isinstance(module, LazyModuleMixin):
+            skipped.lazy.append(described)
+            return None
+        to_sync = self.sync or isinstance(module, torch.nn.SyncBatchNorm)
+        base = targets.sync if to_sync else targets.forward
+        if kind in targets.plain or kind is torch.nn.SyncBatchNorm:
+            target = targets.sync if to_sync else targets.plain[kind]
+        elif is_timm_norm_act(kind):
+            target = derived(kind, base, act=True)
+        elif not self.subclasses:
+            skipped.subclasses.append(described)
+            return None
+        elif kind.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):
+            target = derived(kind, base, act=False)
+        else:
+            skipped.own_forward.append(described)
+            return None
+        return adopt(module, target, targets, to_sync, self.process_group)
 
 
 def _describe(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _is_timm_norm_act(kind: type) -> bool:
-    norm_act = sys.modules.get(_TIMM_NORM_ACT)
+def is_timm_norm_act(kind: type) -> bool:
+    """Whether ``kind`` is timm's BatchNormAct2d or SyncBatchNormAct with timm's forward."""
+    norm_act = sys.modules.get(TIMM_NORM_ACT)
     if norm_act is None:
         return False
     return any(
@@ -127,12 +157,13 @@ def _is_timm_norm_act(kind: type) -> bool:
 _DERIVED: dict[tuple[type, type, bool], type] = {}
 
 
-def _derived(kind: type, base: type, act: bool) -> type:
+def derived(kind: type, base: type, act: bool) -> type:
+    """A class derived from ``kind`` with ``base``'s forward in front (then timm's drop and act if ``act``).
+    It lives in ``base``'s module, whose ``__getattr__`` rebuilds it by name (:func:`rebuild`) for pickle."""
     key = (kind, base, act)
     if key not in _DERIVED:
         bases = ((_ActAfter,) if act else ()) + (base, kind)
-        cls = type(kind.__name__, bases, {"__module__": __name__})
-        # A name that pickle can look up again (see __getattr__ below).
+        cls = type(kind.__name__, bases, {"__module__": base.__module__})
         cls.__qualname__ = _pickle_name(kind, base, act)
         _DERIVED[key] = cls
     return _DERIVED[key]
@@ -144,50 +175,38 @@ def _pickle_name(kind: type, base: type, act: bool) -> str:
                      base.__name__, str(int(act))))
 
 
-def __getattr__(name: str) -> Any:
-    """Rebuild a derived class from its name when unpickling in a new process."""
+def rebuild(name: str, targets: Targets, module_name: str) -> type:
+    """The derived class named ``name`` (see :func:`derived`), for a module's ``__getattr__``."""
     parts = name.split("|")
     if len(parts) != 5 or parts[0] != "converted":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    from torch_bn_grad import nn as ours
-
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
     kind: Any = importlib.import_module(parts[1].replace("/", "."))
     for attr in parts[2].split("/"):
         kind = getattr(kind, attr)
-    base = {"SyncBatchNorm": ours.SyncBatchNorm, "_FusedForward": ours._FusedForward,
-            "_ActForward": ours._ActForward}[parts[3]]
-    return _derived(kind, base, parts[4] == "1")
+    bases = {cls.__name__: cls for cls in (targets.sync, targets.forward, targets.act_forward)}
+    return derived(kind, bases[parts[3]], parts[4] == "1")
 
 
-def _template(module: _BatchNorm, to_sync: bool, process_group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
+def _template(module: _BatchNorm, targets: Targets, to_sync: bool,
+              process_group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
     """A fresh module of this library's matching class, on the meta device: the
     attributes its constructor sets that the original may lack."""
-    from torch_bn_grad import nn as ours
-
     extra: dict[str, Any] = {}
+    cls: type = targets.sync
     if to_sync:
-        cls: type = ours.SyncBatchNorm
         extra["process_group"] = process_group if process_group is not None else getattr(
             module, "process_group", None)
-    elif isinstance(module, torch.nn.BatchNorm1d):
-        cls = ours.BatchNorm1d
-    elif isinstance(module, torch.nn.BatchNorm3d):
-        cls = ours.BatchNorm3d
-    elif isinstance(module, torch.nn.BatchNorm2d):
-        cls = ours.BatchNorm2d
     else:
-        cls = ours.SyncBatchNorm
+        cls = next((ours for theirs, ours in targets.plain.items() if isinstance(module, theirs)), targets.sync)
     return cls(module.num_features, eps=module.eps, momentum=module.momentum, affine=module.affine,
                track_running_stats=module.track_running_stats, device="meta", **extra)
 
 
-def _adopt(
-    module: _BatchNorm, target: type, to_sync: bool, process_group: Optional[dist.ProcessGroup]
+def adopt(
+    module: _BatchNorm, target: type, targets: Targets, to_sync: bool, process_group: Optional[dist.ProcessGroup]
 ) -> torch.nn.Module:
     """An instance of ``target`` that takes over ``module``'s state."""
-    template = _template(module, to_sync, process_group)
+    template = _template(module, targets, to_sync, process_group)
     new = target.__new__(target)
     state = dict(template.__dict__)
     state.update(module.__dict__)  # parameters, buffers, submodules, hooks, training, the subclass's attributes

@@ -49,14 +49,8 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from torch_bn_grad import _convert
-from torch_bn_grad import nn as ours
+from torch_bn_grad._convert import Targets
 
-FUSED: dict[type, type] = {
-    ours.BatchNorm1d: ours.BatchNormAct1d,
-    ours.BatchNorm2d: ours.BatchNormAct2d,
-    ours.BatchNorm3d: ours.BatchNormAct3d,
-    ours.SyncBatchNorm: ours.SyncBatchNormAct,
-}
 _ACT_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
 _ACT_FUNCTIONS = {F.relu: "relu", F.relu_: "relu", torch.relu: "relu", torch.relu_: "relu",
                   F.leaky_relu: "leaky_relu", F.leaky_relu_: "leaky_relu", F.silu: "silu"}
@@ -71,13 +65,16 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 
 def fuse(
-    module: nn.Module, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool, memory_saving: bool
+    module: nn.Module, targets: Targets, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool,
+    memory_saving: bool,
 ) -> nn.Module:
     """The body of ``convert_batchnorm(module, fuse=True)``."""
     unfused: list[tuple[str, str]] = []
-    module = _fuse_timm(module, "", sync, memory_saving, unfused)
-    module = _convert.convert(module, sync, process_group, subclasses, norm_act=True)
-    module = _fuse_tree(module, "", memory_saving, unfused)
+    module = _fuse_timm(module, targets, "", sync, memory_saving, unfused)
+    conversion = _convert.Conversion(targets, sync, process_group, subclasses)
+    module = conversion.tree(module)
+    conversion.skipped.warn(stacklevel=3)
+    module = _fuse_tree(module, targets, "", memory_saving, unfused)
     unfused = list(dict.fromkeys(unfused))  # a BatchNorm called twice is named once
     if unfused:
         by_reason: dict[str, list[str]] = {}
@@ -90,19 +87,20 @@ def fuse(
 
 
 # ------------------------------------------------------------------ timm's BatchNormAct2d
-def _fuse_timm(module: nn.Module, name: str, sync: bool, memory_saving: bool,
+def _fuse_timm(module: nn.Module, targets: Targets, name: str, sync: bool, memory_saving: bool,
                unfused: list[tuple[str, str]]) -> nn.Module:
     kind = type(module)
-    if _convert._is_timm_norm_act(kind) and not isinstance(module, ours._FusedForward):
+    if _convert.is_timm_norm_act(kind) and not isinstance(module, targets.forward):
         activation, why = _timm_activation(module, sync)
         if activation is None:
             unfused.append((name, f"timm {kind.__name__}: {why}; converted with its drop and act kept"))
             return module
-        new = _convert._adopt(module, _convert._derived(kind, ours._ActForward, act=False), False, None)
+        new = _convert.adopt(module, _convert.derived(kind, targets.act_forward, act=False), targets, False, None)
         new._set_activation(activation[0], activation[1], memory_saving and _saves_memory(*activation))
         return new
     for child_name, child in module.named_children():
-        new_child = _fuse_timm(child, f"{name}.{child_name}" if name else child_name, sync, memory_saving, unfused)
+        new_child = _fuse_timm(child, targets, f"{name}.{child_name}" if name else child_name, sync, memory_saving,
+                               unfused)
         if new_child is not child:
             setattr(module, child_name, new_child)
     return module
@@ -110,7 +108,7 @@ def _fuse_timm(module: nn.Module, name: str, sync: bool, memory_saving: bool,
 
 def _timm_activation(module: nn.Module, sync: bool) -> tuple[Optional[tuple[str, float]], str]:
     """(activation, negative_slope) of a timm norm-act module, or None and why it cannot be fused."""
-    norm_act = sys.modules[_convert._TIMM_NORM_ACT]
+    norm_act = sys.modules[_convert.TIMM_NORM_ACT]
     if not isinstance(module, norm_act.BatchNormAct2d):
         return None, "only BatchNormAct2d is fused"
     if sync:
@@ -135,19 +133,20 @@ class _Tracer(fx.Tracer):
         return isinstance(m, _BatchNorm) or super().is_leaf_module(m, module_qualified_name)
 
 
-def _fuse_tree(module: nn.Module, path: str, memory_saving: bool, unfused: list[tuple[str, str]]) -> nn.Module:
+def _fuse_tree(module: nn.Module, targets: Targets, path: str, memory_saving: bool,
+               unfused: list[tuple[str, str]]) -> nn.Module:
     """``module`` with its sites fused: itself (fused in place, or nothing to fuse) or a GraphModule."""
-    if type(module) in FUSED or not any(type(m) in FUSED for m in module.modules()):
+    if type(module) in targets.fused or not any(type(m) in targets.fused for m in module.modules()):
         return module
     graph, problem = _trace(module)
     if graph is not None:
-        return _rewrite(module, graph, path, memory_saving, unfused)
+        return _rewrite(module, targets, graph, path, memory_saving, unfused)
     for child_name, child in list(module.named_children()):
         child_path = f"{path}.{child_name}" if path else child_name
-        if type(child) in FUSED:
+        if type(child) in targets.fused:
             unfused.append((child_path, f"not examined: {path or 'the root module'} cannot be traced ({problem})"))
             continue
-        new_child = _fuse_tree(child, child_path, memory_saving, unfused)
+        new_child = _fuse_tree(child, targets, child_path, memory_saving, unfused)
         if new_child is not child:
             setattr(module, child_name, new_child)
     return module
@@ -263,13 +262,13 @@ def _match(node: fx.Node, modules: dict[str, nn.Module], calls: Counter) -> Unio
 
 
 # ------------------------------------------------------------------ rewriting
-def _rewrite(module: nn.Module, graph: fx.Graph, path: str, memory_saving: bool,
+def _rewrite(module: nn.Module, targets: Targets, graph: fx.Graph, path: str, memory_saving: bool,
              unfused: list[tuple[str, str]]) -> nn.Module:
     modules = dict(module.named_modules())
     calls = Counter(id(modules[n.target]) for n in graph.nodes if n.op == "call_module")  # type: ignore[index]
     sites = []
     for node in list(graph.nodes):
-        if node.op != "call_module" or type(modules[node.target]) not in FUSED:  # type: ignore[index]
+        if node.op != "call_module" or type(modules[node.target]) not in targets.fused:  # type: ignore[index]
             continue
         found = _match(node, modules, calls)
         if isinstance(found, str):
@@ -279,7 +278,7 @@ def _rewrite(module: nn.Module, graph: fx.Graph, path: str, memory_saving: bool,
     replaced: dict[str, nn.Module] = {}
     for site in sites:
         target = str(site.bn.target)
-        fused = _fused_module(modules[target], site.activation, site.negative_slope, memory_saving)
+        fused = _fused_module(modules[target], targets, site.activation, site.negative_slope, memory_saving)
         if _in_sequential(site, modules, calls):
             parent, bn_name = _split(target)
             setattr(modules[parent], bn_name, fused)
@@ -310,9 +309,10 @@ def _rewrite(module: nn.Module, graph: fx.Graph, path: str, memory_saving: bool,
     return gm
 
 
-def _fused_module(bn: nn.Module, activation: str, negative_slope: float, memory_saving: bool) -> nn.Module:
+def _fused_module(bn: nn.Module, targets: Targets, activation: str, negative_slope: float,
+                  memory_saving: bool) -> nn.Module:
     """The fused module in place of ``bn``, sharing its tensors, training flag and attributes."""
-    fused = _convert._adopt(bn, FUSED[type(bn)], False, None)  # type: ignore[arg-type]
+    fused = _convert.adopt(bn, targets.fused[type(bn)], targets, False, None)  # type: ignore[arg-type]
     fused._set_activation(activation, negative_slope, memory_saving and _saves_memory(activation, negative_slope))
     return fused
 

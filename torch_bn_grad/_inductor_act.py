@@ -1,5 +1,5 @@
 """Inductor rewrites of the fused ``batch_norm_act_forward``/``_backward``
-operators (see ``_inductor.py``, which registers them): batch norm as there,
+operators (``_lowering.py`` has the plain operators'; ``_inductor.py`` registers both): batch norm as there,
 then the residual and the activation as ATen operations, all in the
 accumulation dtype and rounded once, so inductor fuses them with their
 neighbours. The memory-saving backward (``from_output``) and anything the
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torch_bn_grad import _inductor, config
+from torch_bn_grad import _lowering, config
 
 
 def _activate(z, activation: str, slope: float):
@@ -29,16 +29,16 @@ def _act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation
                  memory_saving):
     op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
     if not config.compile_lowering or (mean is None) != (variance is None):
-        return _inductor._opaque(op)
+        return _lowering.opaque(op)
     ref = next((t for t in (mean, variance, gamma, beta) if t is not None), None)
-    form = _inductor._form(src, ref, data_format)
+    form = _lowering.reduction_form(src, ref, data_format)
     if form is None or (residual is not None and residual.dtype != src.dtype):
-        return _inductor._opaque(op)
-    z, mean_out, var_out = _inductor._normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
+        return _lowering.opaque(op)
+    z, mean_out, var_out = _lowering.normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
     if residual is not None:
         z = z + residual.to(z.dtype)
     dst = _activate(z, activation, negative_slope)
-    return dst.to(src.dtype).contiguous(memory_format=_inductor._layout(src)), mean_out, var_out
+    return dst.to(src.dtype).contiguous(memory_format=_lowering.dense_layout(src)), mean_out, var_out
 
 
 def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation, negative_slope,
@@ -46,23 +46,23 @@ def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, eps
     op = torch.ops.torch_bn_grad.batch_norm_act_backward.default
     if (not config.compile_lowering or from_output or src is None or diff_dst.dtype != src.dtype
             or dst_positive is not None):
-        return _inductor._opaque(op)
-    form = _inductor._form(src, mean, data_format)
-    if form is None or _inductor._layout(diff_dst) is None:
-        return _inductor._opaque(op)
-    if _inductor.reduces_in_kernel(src, training):
+        return _lowering.opaque(op)
+    form = _lowering.reduction_form(src, mean, data_format)
+    if form is None or _lowering.dense_layout(diff_dst) is None:
+        return _lowering.opaque(op)
+    if _lowering.reduces_in_kernel(src, training):
         if not _gate_is_exact(activation, src, dst):
-            return _inductor._opaque(op)
+            return _lowering.opaque(op)
         return _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activation, negative_slope,
                                  data_format, output_mask)
-    acc = _inductor._acc_dtype(src)
+    acc = _lowering.acc_dtype(src)
     dy = diff_dst.to(acc)
     if activation == "relu":
         dz = torch.where(dst > 0, dy, 0.0)
     elif activation == "leaky_relu":
         dz = torch.where(dst > 0, dy, dy * negative_slope)
     elif activation == "silu":
-        z, _, _ = _inductor._normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
+        z, _, _ = _lowering.normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
         if residual is not None:
             z = z + residual.to(acc)
         s = torch.sigmoid(z)
@@ -70,9 +70,9 @@ def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, eps
     else:
         dz = dy
     param = gamma.to(mean.dtype) if gamma is not None else None
-    diff_src, diff_gamma, diff_beta = _inductor._gradients(
+    diff_src, diff_gamma, diff_beta = _lowering.gradients(
         src, dz, mean, variance, param, epsilon, data_format, training, list(output_mask[:3]), form)
-    layout = _inductor._layout(src)
+    layout = _lowering.dense_layout(src)
     diff_residual = dz.to(src.dtype).contiguous(memory_format=layout) if output_mask[3] else src.new_empty(0)
     return diff_src, diff_gamma, diff_beta, diff_residual
 
@@ -84,7 +84,7 @@ def _gate_is_exact(activation: str, src, dst) -> bool:
         return True
     if activation == "relu":
         return dst is not None
-    return activation == "leaky_relu" and dst is not None and src.dtype not in _inductor._HALF
+    return activation == "leaky_relu" and dst is not None and src.dtype not in _lowering.HALF
 
 
 def _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activation, negative_slope, data_format,
@@ -102,7 +102,7 @@ def _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activa
         dz = torch.where(dst > 0, diff_dst, diff_dst * negative_slope)
     else:
         dz = diff_dst.clone()
-    dz = dz.contiguous(memory_format=_inductor._layout(src))
+    dz = dz.contiguous(memory_format=_lowering.dense_layout(src))
     if any(output_mask[:3]):
         diff_src, diff_gamma, diff_beta = torch.ops.torch_bn_grad.batch_norm_backward.default(
             src, dz, mean, variance, None if gamma is None else gamma.to(mean.dtype), epsilon, data_format, True,

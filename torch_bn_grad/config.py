@@ -17,6 +17,11 @@ from __future__ import annotations
 import os
 import sys
 import types
+from typing import Callable
+
+# Called after every change of a setting: the inductor registration keeps
+# inductor's compile-cache key in step with ``compile_lowering`` (_inductor.py).
+_observers: list[Callable[[], None]] = []
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -40,9 +45,13 @@ class _Config(types.ModuleType):
         if not isinstance(value, bool):
             raise TypeError(f"torch_bn_grad.config.compile_lowering must be a bool, got {value!r}")
         type(self)._compile_lowering = value
-        from torch_bn_grad import _inductor
+        for observer in _observers:
+            observer()
 
-        _inductor.sync_cache_key()
+    def on_change(self, observer: Callable[[], None]) -> None:
+        """Call ``observer()`` after every change of a setting."""
+        if observer not in _observers:
+            _observers.append(observer)
 
 
 sys.modules[__name__].__class__ = _Config

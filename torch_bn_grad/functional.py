@@ -20,7 +20,7 @@ def batch_norm(
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
     training: bool = False,
-    momentum: float = 0.1,
+    momentum: Union[float, Tensor] = 0.1,
     eps: float = 1e-5,
 ) -> Tensor:
     """Batch normalization over the channel axis 1 of ``input`` (N, C, *).
@@ -29,40 +29,22 @@ def batch_norm(
     in training, the batch statistics normalize ``input`` and, when given,
     ``running_mean``/``running_var`` are updated in place with ``momentum``
     (``running_var`` with the unbiased variance; no update on an empty batch);
-    otherwise the running statistics normalize ``input``.
+    otherwise the running statistics normalize ``input``. ``momentum`` may also
+    be a 0-dim tensor (the modules' cumulative average, ``momentum=None``).
     """
-    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-
-
-def _batch_norm(
-    input: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
-) -> Tensor:
-    """``batch_norm`` whose ``momentum`` may also be a tensor (the modules' cumulative average)."""
     if input.dim() == 1:
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
-        if running_mean is None or running_var is None:
-            raise ValueError("batch_norm: running_mean and running_var must be given when training=False")
+        _check_running_stats("batch_norm", running_mean, running_var)
         dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.default(
             input, weight, bias, running_mean, running_var, float(eps), "NCX"
         )
         return dst
-    _verify_batch_size(input)
-    if not eps > 0:
-        raise ValueError(f"batch_norm: eps must be positive in training, got {eps}")
-    eps = float(eps)
+    _check_training("batch_norm", input, eps)
     # The operator itself: its wrapper's Python-type checks are moot here (eps is a checked number).
-    dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(input, weight, bias, None, None, eps, "NCX")
-    count = input.numel() // max(input.shape[1], 1) if input.dim() >= 2 else 0
-    if count > 0 and (running_mean is not None or running_var is not None):
-        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(
+        input, weight, bias, None, None, float(eps), "NCX")
+    _update(input, running_mean, running_var, mean, var, momentum)
     return dst
 
 
@@ -88,15 +70,30 @@ def _rank1(
     return input.clone()
 
 
-def _verify_batch_size(input: Tensor) -> None:
-    """torch's check: more than one value per channel in training."""
+def _check_running_stats(name: str, running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> None:
+    if running_mean is None or running_var is None:
+        raise ValueError(f"{name}: running_mean and running_var must be given when training=False")
+
+
+def _check_training(name: str, input: Tensor, eps: float) -> None:
+    """torch's check (more than one value per channel in training) and a positive eps."""
     if input.dim() < 2:
-        raise ValueError(f"batch_norm: expected input of rank 2 or more (N, C, *), got shape {tuple(input.shape)}")
+        raise ValueError(f"{name}: expected input of rank 2 or more (N, C, *), got shape {tuple(input.shape)}")
     size_prods = input.shape[0]
     for size in input.shape[2:]:
         size_prods *= size
     if size_prods == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
+    if not eps > 0:
+        raise ValueError(f"{name}: eps must be positive in training, got {eps}")
+
+
+def _update(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], mean: Tensor,
+            var: Tensor, momentum: Union[float, Tensor]) -> None:
+    """The running statistics' update with a training batch's (none for an empty batch)."""
+    count = input.numel() // max(input.shape[1], 1)
+    if count > 0 and (running_mean is not None or running_var is not None):
+        update_running_stats(running_mean, running_var, mean, var, count, momentum)
 
 
 def batch_norm_act(
@@ -106,7 +103,7 @@ def batch_norm_act(
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
     training: bool = False,
-    momentum: float = 0.1,
+    momentum: Union[float, Tensor] = 0.1,
     eps: float = 1e-5,
     *,
     residual: Optional[Tensor] = None,
@@ -126,43 +123,17 @@ def batch_norm_act(
     ``ValueError``), ``weight`` must have no zeros (not checked), and double
     backward is then not available.
     """
-    return _batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum, eps,
-                           residual=residual, activation=activation, negative_slope=negative_slope,
-                           memory_saving=memory_saving)
-
-
-def _batch_norm_act(
-    input: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
-    *,
-    residual: Optional[Tensor] = None,
-    activation: str = "relu",
-    negative_slope: float = 0.01,
-    memory_saving: bool = False,
-) -> Tensor:
-    """``batch_norm_act`` whose ``momentum`` may also be a tensor (the modules' cumulative average)."""
     slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
     op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
     if input.dim() == 1:  # only an empty input is valid: an empty output
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
-        if running_mean is None or running_var is None:
-            raise ValueError("batch_norm_act: running_mean and running_var must be given when training=False")
+        _check_running_stats("batch_norm_act", running_mean, running_var)
         dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
                        "NCX", bool(memory_saving))
         return dst
-    _verify_batch_size(input)
-    if not eps > 0:
-        raise ValueError(f"batch_norm_act: eps must be positive in training, got {eps}")
+    _check_training("batch_norm_act", input, eps)
     dst, mean, var = op(input, weight, bias, None, None, residual, float(eps), activation, slope, "NCX",
                         bool(memory_saving))
-    count = input.numel() // max(input.shape[1], 1)
-    if count > 0 and (running_mean is not None or running_var is not None):
-        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    _update(input, running_mean, running_var, mean, var, momentum)
     return dst

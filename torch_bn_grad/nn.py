@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_bn_grad import _activation, _compat, _script
+from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, functional
 from torch_bn_grad.distributed import sync_batch_norm
-from torch_bn_grad.functional import _batch_norm, _batch_norm_act
 
 __all__ = [
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
@@ -20,7 +19,13 @@ __all__ = [
 ]
 
 
-class _FusedForward:
+# What ``_BatchNorm.forward`` normalizes with, as the modules choose it: (running_mean,
+# running_var, use_batch_stats, momentum factor: a tensor for the cumulative average).
+# A plain tuple: a NamedTuple's construction costs a small eval forward a few percent.
+Statistics = tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]
+
+
+class FusedForward:
     """The forward shared by the modules: torch's ``_BatchNorm.forward`` semantics
     on this library's operators. ``momentum=None`` (cumulative average) keeps
     its factor a tensor, so that it traces without a graph break.
@@ -43,7 +48,7 @@ class _FusedForward:
             )
         if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
-        return self._normalize(input, *self._statistics())
+        return self._normalize(input, self._statistics())
 
     def _runs_torch_forward(self) -> bool:
         """Whether the forward is torch's ``_BatchNorm.forward``, for the graph
@@ -54,9 +59,9 @@ class _FusedForward:
         operator, _script.py)."""
         return _compat.in_onnx_export() or (not self.training and _compat.jit_tracing())
 
-    def _statistics(self) -> tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]:
+    def _statistics(self) -> Statistics:
         """What ``_BatchNorm.forward`` normalizes with, counting this batch in
-        ``num_batches_tracked``: (running_mean, running_var, use_batch_stats, momentum factor)."""
+        ``num_batches_tracked``."""
         training, momentum = self.training, self.momentum
         buffers = self._buffers
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
@@ -74,31 +79,26 @@ class _FusedForward:
             return None, None, True, factor
         return running_mean, running_var, True, factor
 
-    def _normalize(
-        self,
-        input: Tensor,
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
+    def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
         """The batch norm itself, once the module has chosen its statistics."""
-        return _batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum, self.eps)
+        running_mean, running_var, use_batch_stats, momentum = stats
+        return functional.batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
+                                     self.eps)
 
 
-class BatchNorm1d(_FusedForward, torch.nn.BatchNorm1d):
+class BatchNorm1d(FusedForward, torch.nn.BatchNorm1d):
     """Drop-in for :class:`torch.nn.BatchNorm1d` (inputs (N, C) or (N, C, L))."""
 
 
-class BatchNorm2d(_FusedForward, torch.nn.BatchNorm2d):
+class BatchNorm2d(FusedForward, torch.nn.BatchNorm2d):
     """Drop-in for :class:`torch.nn.BatchNorm2d` (inputs (N, C, H, W))."""
 
 
-class BatchNorm3d(_FusedForward, torch.nn.BatchNorm3d):
+class BatchNorm3d(FusedForward, torch.nn.BatchNorm3d):
     """Drop-in for :class:`torch.nn.BatchNorm3d` (inputs (N, C, D, H, W))."""
 
 
-class SyncBatchNorm(_FusedForward, _BatchNorm):
+class SyncBatchNorm(FusedForward, _BatchNorm):
     """Drop-in for :class:`torch.nn.SyncBatchNorm` (inputs (N, C, *)), same constructor.
 
     In training, with an initialized ``torch.distributed`` process group of more
@@ -136,17 +136,11 @@ class SyncBatchNorm(_FusedForward, _BatchNorm):
         torch.nn.SyncBatchNorm._check_input_dim(self, input)
         torch.nn.SyncBatchNorm._check_non_zero_input_channels(self, input)
 
-    def _normalize(
-        self,
-        input: Tensor,
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
+    def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
         group = self._sync_group() if self.training else None
         if group is None:
-            return super()._normalize(input, running_mean, running_var, use_batch_stats, momentum)
+            return super()._normalize(input, stats)
+        running_mean, running_var, _, momentum = stats
         return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
 
     def _sync_group(self) -> Optional[dist.ProcessGroup]:
@@ -165,29 +159,23 @@ class SyncBatchNorm(_FusedForward, _BatchNorm):
         return convert_batchnorm(module, sync=True, process_group=process_group)
 
 
-class _ActForward(_FusedForward):
+class ActForward(FusedForward):
     """The forward of the fused modules: ``activation(batch_norm(input) + residual)``
-    with ``_BatchNorm``'s choice of statistics (shared with :class:`_FusedForward`),
+    with ``_BatchNorm``'s choice of statistics (shared with :class:`FusedForward`),
     through :func:`torch_bn_grad.functional.batch_norm_act`."""
 
     def __init__(
         self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: Optional[float] = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-        *,
-        bias: bool = True,
+        *args: Any,
         activation: str = "relu",
         negative_slope: float = 0.01,
         memory_saving: bool = False,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(  # type: ignore[call-arg]
-            num_features, eps, momentum, affine, track_running_stats, device, dtype,
-            **_compat.batchnorm_bias_kwargs(bias))
+        """The constructor arguments of the BatchNorm class it fuses, then the activation's."""
+        if "bias" in kwargs:
+            kwargs.update(_compat.batchnorm_bias_kwargs(kwargs.pop("bias")))
+        super().__init__(*args, **kwargs)
         self._set_activation(activation, negative_slope, memory_saving)
 
     def _set_activation(self, activation: str, negative_slope: float, memory_saving: bool) -> None:
@@ -198,37 +186,35 @@ class _ActForward(_FusedForward):
 
     def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
         self._check_input_dim(input)
-        if torch.jit.is_scripting():  # a compile-time constant, as in _FusedForward.forward
+        if torch.jit.is_scripting():  # a compile-time constant, as in FusedForward.forward
             y = _script.module_forward(
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
             )
-            if residual is not None:
-                y = y + residual
-            return _activation.activate(y, self.activation, self.negative_slope)
+            return self._add_activate(y, residual)
         if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
-            y = _BatchNorm.forward(self, input)
-            if residual is not None:
-                y = y + residual
-            return _activation.activate(y, self.activation, self.negative_slope)
-        return self._normalize_act(input, residual, *self._statistics())
+            return self._add_activate(_BatchNorm.forward(self, input), residual)
+        return self._normalize_act(input, residual, self._statistics())
 
-    def _normalize_act(
-        self,
-        input: Tensor,
-        residual: Optional[Tensor],
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
-        if residual is not None and not (
-            residual.shape == input.shape and residual.dtype == input.dtype and residual.device == input.device
-        ):
-            # A broadcast or type-promoting residual: as torch would compute it, unfused.
-            y = self._normalize(input, running_mean, running_var, use_batch_stats, momentum)
-            return _activation.activate(y + residual, self.activation, self.negative_slope)
-        return _batch_norm_act(
+    def _add_activate(self, y: Tensor, residual: Optional[Tensor]) -> Tensor:
+        """The add and activation as torch operations, after a normalization that did not fuse them."""
+        if residual is not None:
+            y = y + residual
+        return _activation.activate(y, self.activation, self.negative_slope)
+
+    def _composes(self, input: Tensor, residual: Optional[Tensor]) -> bool:
+        """Whether the add and activation run after the normalization (``_add_activate``)
+        rather than in the fused operator: for a broadcast or type-promoting residual,
+        computed as torch would, unfused."""
+        return residual is not None and not (
+            residual.shape == input.shape and residual.dtype == input.dtype and residual.device == input.device)
+
+    def _normalize_act(self, input: Tensor, residual: Optional[Tensor], stats: Statistics) -> Tensor:
+        if self._composes(input, residual):
+            y = self._normalize(input, stats)
+            return self._add_activate(y, residual)
+        running_mean, running_var, use_batch_stats, momentum = stats
+        return functional.batch_norm_act(
             input, running_mean, running_var, *self._affine(), use_batch_stats, momentum, self.eps,
             residual=residual, activation=self.activation, negative_slope=self.negative_slope,
             memory_saving=self.memory_saving,
@@ -243,25 +229,25 @@ class _ActForward(_FusedForward):
         return text
 
 
-class BatchNormAct1d(_ActForward, torch.nn.BatchNorm1d):
+class BatchNormAct1d(ActForward, torch.nn.BatchNorm1d):
     """``activation(BatchNorm1d(input) + residual)`` in one operator; torch's
     ``BatchNorm1d`` state_dict, constructor (plus ``activation``,
     ``negative_slope``, ``memory_saving``) and train/eval behaviour."""
 
 
-class BatchNormAct2d(_ActForward, torch.nn.BatchNorm2d):
+class BatchNormAct2d(ActForward, torch.nn.BatchNorm2d):
     """``activation(BatchNorm2d(input) + residual)`` in one operator; torch's
     ``BatchNorm2d`` state_dict, constructor (plus ``activation``,
     ``negative_slope``, ``memory_saving``) and train/eval behaviour."""
 
 
-class BatchNormAct3d(_ActForward, torch.nn.BatchNorm3d):
+class BatchNormAct3d(ActForward, torch.nn.BatchNorm3d):
     """``activation(BatchNorm3d(input) + residual)`` in one operator; torch's
     ``BatchNorm3d`` state_dict, constructor (plus ``activation``,
     ``negative_slope``, ``memory_saving``) and train/eval behaviour."""
 
 
-class SyncBatchNormAct(_ActForward, SyncBatchNorm):
+class SyncBatchNormAct(ActForward, SyncBatchNorm):
     """:class:`SyncBatchNorm` followed by the residual add and the activation.
 
     With whole-group statistics (training, a process group of more than one
@@ -270,41 +256,19 @@ class SyncBatchNormAct(_ActForward, SyncBatchNorm):
     saves nothing there); otherwise (eval, no group) it is the fused local
     operator, as :class:`BatchNormAct2d`."""
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: Optional[float] = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: Optional[dist.ProcessGroup] = None,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-        *,
-        bias: bool = True,
-        activation: str = "relu",
-        negative_slope: float = 0.01,
-        memory_saving: bool = False,
-    ) -> None:
-        SyncBatchNorm.__init__(self, num_features, eps, momentum, affine, track_running_stats, process_group,
-                               device, dtype, bias=bias)
-        self._set_activation(activation, negative_slope, memory_saving)
+    def _composes(self, input: Tensor, residual: Optional[Tensor]) -> bool:
+        return (self.training and self._sync_group() is not None) or super()._composes(input, residual)
 
-    def _normalize_act(
-        self,
-        input: Tensor,
-        residual: Optional[Tensor],
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        use_batch_stats: bool,
-        momentum: Union[float, Tensor],
-    ) -> Tensor:
-        if not (self.training and self._sync_group() is not None):
-            return super()._normalize_act(input, residual, running_mean, running_var, use_batch_stats, momentum)
-        y = self._normalize(input, running_mean, running_var, use_batch_stats, momentum)
-        if residual is not None:
-            y = y + residual
-        return _activation.activate(y, self.activation, self.negative_slope)
+
+# The classes a conversion produces, for the conversion modules below this one.
+TARGETS = _convert.Targets(
+    plain={torch.nn.BatchNorm1d: BatchNorm1d, torch.nn.BatchNorm2d: BatchNorm2d, torch.nn.BatchNorm3d: BatchNorm3d},
+    sync=SyncBatchNorm,
+    forward=FusedForward,
+    act_forward=ActForward,
+    fused={BatchNorm1d: BatchNormAct1d, BatchNorm2d: BatchNormAct2d, BatchNorm3d: BatchNormAct3d,
+           SyncBatchNorm: SyncBatchNormAct},
+)
 
 
 def convert_batchnorm(
@@ -321,12 +285,14 @@ def convert_batchnorm(
     With ``sync=True`` every one becomes a :class:`SyncBatchNorm` over
     ``process_group`` (None: the world); a torch ``SyncBatchNorm`` becomes ours
     even with ``sync=False``, keeping its own group unless ``process_group``
-    is given. Subclasses of torch's BatchNorm are left alone, each named in a
-    ``UserWarning``, unless ``subclasses=True``: then a subclass whose ``forward`` is torch's own,
-    and timm's ``BatchNormAct2d`` (its ``drop`` and ``act`` kept, applied after
-    the normalization as timm does), become a class derived from the subclass
-    with this library's forward. Other subclasses and the Lazy variants are left
-    alone, each named in a ``UserWarning``. The replacements share the
+    is given. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` (whose
+    forward is the batch norm, then the module's ``drop``, then its ``act``)
+    become a class derived from timm's with this library's batch norm in
+    front, ``drop`` and ``act`` kept. Other subclasses of torch's BatchNorm
+    are left alone unless ``subclasses=True``: then a subclass whose
+    ``forward`` is torch's own becomes a class derived from it with this
+    library's forward. What is left alone (other subclasses, the Lazy
+    variants) is named in one ``UserWarning``. The replacements share the
     original Parameter and buffer tensors and keep ``training``,
     ``requires_grad``, device, dtype, attributes and hooks; children are
     replaced in place and the root is returned (or its replacement, if the root
@@ -336,8 +302,8 @@ def convert_batchnorm(
     it (``ReLU``/``LeakyReLU``/``SiLU`` modules, ``F.relu``/``F.leaky_relu``/
     ``F.silu``/``torch.relu`` calls), and with a residual ``+`` between them,
     into :class:`BatchNormAct2d` (1d/3d, :class:`SyncBatchNormAct`), found by
-    ``torch.fx`` symbolic tracing (see :mod:`torch_bn_grad._fuse`), and
-    converts timm's ``BatchNormAct2d`` (fused where its act allows). Pairs
+    ``torch.fx`` symbolic tracing (see :mod:`torch_bn_grad._fuse`), and fuses
+    timm's ``BatchNormAct2d`` where its act allows. Pairs
     inside an ``nn.Sequential`` are fused in place (the activation becomes an
     ``nn.Identity``) and the model keeps its class; other patterns make the
     returned model a ``torch.fx.GraphModule`` with the same state_dict. Use the
@@ -349,9 +315,13 @@ def convert_batchnorm(
     if memory_saving and not fuse:
         raise ValueError("convert_batchnorm: memory_saving=True needs fuse=True")
     if fuse:
-        from torch_bn_grad._fuse import fuse as fuse_model
+        return _fuse.fuse(module, TARGETS, sync, process_group, subclasses, memory_saving)
+    conversion = _convert.Conversion(TARGETS, sync, process_group, subclasses)
+    module = conversion.tree(module)
+    conversion.skipped.warn(stacklevel=2)
+    return module
 
-        return fuse_model(module, sync, process_group, subclasses, memory_saving)
-    from torch_bn_grad._convert import convert
 
-    return convert(module, sync, process_group, subclasses)
+def __getattr__(name: str) -> type:
+    """A class that ``convert_batchnorm`` derived from a subclass, rebuilt by name when unpickling."""
+    return _convert.rebuild(name, TARGETS, __name__)

@@ -45,7 +45,7 @@ _CASES = """[
 """
 
 
-def test_tiled_rows_on_every_isa():
+def test_narrow_channel_counts_on_every_isa():
     check_cases(_CASES)
 
 

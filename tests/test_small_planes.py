@@ -39,5 +39,5 @@ _CASES = """[
 """
 
 
-def test_segment_reductions_on_every_isa():
+def test_small_planes_on_every_isa():
     check_cases(_CASES)

@@ -24,5 +24,5 @@ _CASES = """[
 """
 
 
-def test_column_blocks_on_every_isa():
+def test_few_rows_of_many_channels_on_every_isa():
     check_cases(_CASES)
