@@ -6,24 +6,19 @@ float64; and a world of one NCCL process, which runs as a local BatchNorm.
 
 from __future__ import annotations
 
-import datetime
-import os
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torch_bn_grad
 from reference import TOLERANCES
+from spawned_ranks import WORLD_SIZE, run_on_ranks
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_available()),
                                 reason="needs a CUDA device and torch.distributed")
 
-WORLD_SIZE = 2
 SIZES = (5, 3)  # per-rank batch sizes: uneven
+assert len(SIZES) == WORLD_SIZE
 ITEM = (6, 7, 5)  # (C, H, W)
 STEPS = 2
 TIMEOUT_S = 180
@@ -49,57 +44,23 @@ def _local(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t[sum(SIZES[:rank]):sum(SIZES[:rank + 1])]
 
 
-def _worker(rank: int, port: int, backend: str, out_dir: str) -> None:
-    try:
-        torch.cuda.set_device(0)
-        store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD_SIZE,
-                                timeout=datetime.timedelta(seconds=60))
-        model = torch_bn_grad.convert_batchnorm(_module(), sync=True).cuda().float()
-        result = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
-        for step in range(STEPS):
-            x, dy = _batch(step)
-            x = _local(x, rank).float().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
-            model.zero_grad(set_to_none=True)
-            out = model(x)
-            out.backward(_local(dy, rank).float().cuda())
-            torch.cuda.synchronize()
-            result["outputs"].append(out.detach().cpu())
-            result["input_grads"].append(x.grad.cpu())
-            result["param_grads"].append([p.grad.cpu() for p in model.parameters()])
-            result["running"].append([b.cpu() for b in model.buffers()])
-        dist.destroy_process_group()
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-
-
-def _spawn(backend: str, out_dir: Path) -> tuple[list[dict], str]:
-    """Each rank's results, or ([], the workers' errors)."""
-    out_dir.mkdir()
-    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    context = mp.start_processes(_worker, args=(store.port, backend, str(out_dir)), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")
-    error = ""
-    try:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
-        while not context.join(timeout=1):
-            if datetime.datetime.now() > deadline:
-                error = f"workers did not finish within {TIMEOUT_S} s"
-                break
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-        error = str(exc)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    errors = [p.read_text() for p in sorted(out_dir.glob("*.error"))]
-    if errors or error:
-        return [], "\n".join(errors) or error
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD_SIZE)], ""
+def _train(rank: int) -> dict:
+    """This rank's steps with our SyncBatchNorm on its slice, on CUDA tensors (the ranks
+    share device 0 where only one GPU is visible)."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    model = torch_bn_grad.convert_batchnorm(_module(), sync=True).cuda().float()
+    result = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
+    for step in range(STEPS):
+        x, dy = _batch(step)
+        x = _local(x, rank).float().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.backward(_local(dy, rank).float().cuda())
+        result["outputs"].append(out.detach().cpu())
+        result["input_grads"].append(x.grad.cpu())
+        result["param_grads"].append([p.grad.cpu() for p in model.parameters()])
+        result["running"].append([b.cpu() for b in model.buffers()])
+    return result
 
 
 def _reference() -> dict:
@@ -125,12 +86,13 @@ def _close(actual, expected, what, scale=1.0):
 
 
 def test_two_processes_on_one_gpu_match_the_whole_batch(tmp_path):
-    per_rank, nccl_error = _spawn("nccl", tmp_path / "nccl") if dist.is_nccl_available() else ([], "no NCCL")
     backend = "nccl"
-    if not per_rank:  # NCCL refuses two ranks on one GPU: gloo carries the CUDA tensors instead
+    try:
+        per_rank = run_on_ranks(_train, (), tmp_path / "nccl", TIMEOUT_S, backend="nccl")
+    except (AssertionError, pytest.skip.Exception) as nccl_refused:  # e.g. two ranks on one GPU
         backend = "gloo"
-        per_rank, gloo_error = _spawn("gloo", tmp_path / "gloo")
-        assert per_rank, f"NCCL failed:\n{nccl_error}\n\ngloo failed:\n{gloo_error}"
+        print(f"NCCL did not run ({str(nccl_refused).splitlines()[-1]}): gloo carries the CUDA tensors")
+        per_rank = run_on_ranks(_train, (), tmp_path / "gloo", TIMEOUT_S, backend="gloo")
     print(f"SyncBatchNorm on CUDA tensors ran on {backend}")
     ref = _reference()
     count = sum(SIZES) * ITEM[1] * ITEM[2]

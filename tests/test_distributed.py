@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from gloo_ranks import run_on_ranks
+from spawned_ranks import run_on_ranks
 from reference import TOLERANCES, assert_modules_match
 
 TIMEOUT_S = 240  # the whole run, compilation included

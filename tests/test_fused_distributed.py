@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torch_bn_grad
-from gloo_ranks import WORLD_SIZE, run_on_ranks
+from spawned_ranks import WORLD_SIZE, run_on_ranks
 
 SIZES = (3, 2)  # per-rank batch sizes
 STEPS = 2

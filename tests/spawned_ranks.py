@@ -1,4 +1,4 @@
-"""Running a test's work on a group of spawned processes (gloo on 127.0.0.1).
+"""Running a test's work on a group of spawned processes (gloo on 127.0.0.1, or another backend).
 
 The parent holds the rendezvous store on a free port (no port race); each
 rank joins the process group, runs ``work(rank, *args)`` (a module-level
@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 WORLD_SIZE = 2
 
 
-def _worker(rank: int, port: int, out_dir: str, work: Callable[..., Any], args: tuple) -> None:
+def _worker(rank: int, port: int, out_dir: str, work: Callable[..., Any], args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD_SIZE,
                                 timeout=datetime.timedelta(seconds=60))
         result = work(rank, *args)
         # The work's DDP reducers go before the process group: destroyed after it, at
@@ -42,13 +42,17 @@ def _worker(rank: int, port: int, out_dir: str, work: Callable[..., Any], args: 
         raise
 
 
-def run_on_ranks(work: Callable[..., Any], args: tuple, out_dir: Path, timeout_s: float) -> list[Any]:
-    """``work(rank, *args)`` on each of WORLD_SIZE spawned processes; what each rank returned."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+def run_on_ranks(work: Callable[..., Any], args: tuple, out_dir: Path, timeout_s: float,
+                 backend: str = "gloo") -> list[Any]:
+    """``work(rank, *args)`` on each of WORLD_SIZE spawned processes of a ``backend``
+    process group; what each rank returned. A rank's failure fails the call
+    (AssertionError with the ranks' tracebacks)."""
+    if not dist.is_available() or not dist.is_backend_available(backend):
+        pytest.skip(f"torch.distributed with {backend} is not available")
+    out_dir.mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    context = mp.start_processes(_worker, args=(store.port, str(out_dir), work, args), nprocs=WORLD_SIZE,
+    context = mp.start_processes(_worker, args=(store.port, str(out_dir), work, args, backend), nprocs=WORLD_SIZE,
                                  join=False, start_method="spawn")
     deadline, done, problem = time.monotonic() + timeout_s, False, None
     try:
