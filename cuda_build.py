@@ -2,8 +2,13 @@
 
 ``TORCH_BN_GRAD_CUDA`` picks the mode: ``0`` builds for the CPU only, ``1``
 requires the CUDA kernels (the build fails, saying why, when they cannot be
-built), unset (or ``auto``) builds them when possible and otherwise builds for
-the CPU with one message that says why.
+built), unset (or ``auto``) builds them where a GPU is visible or
+``TORCH_CUDA_ARCH_LIST`` names architectures, and otherwise builds for the CPU
+with one message that says why and how to get the CUDA kernels.
+
+The architectures: ``TORCH_CUDA_ARCH_LIST`` when set, else those of the
+visible GPUs (torch.utils.cpp_extension's own default), else (``1`` without a
+GPU) ``DEFAULT_ARCHS``.
 
 torch's own guess of the toolkit (``CUDA_HOME``, else the folder above the
 ``nvcc`` found in ``PATH``) breaks when ``nvcc`` in ``PATH`` is a wrapper or a
@@ -31,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 ENV = "TORCH_BN_GRAD_CUDA"
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
+DEFAULT_ARCHS = "8.0;9.0"  # A100, H100/H200
 _PREFIX = "torch_bn_grad setup:"
 
 
@@ -48,6 +55,7 @@ class CudaPlan:
     library_dirs: list[str] = field(default_factory=list)  # where libcudart is linked from
     link_args: list[str] = field(default_factory=list)  # extra linker arguments
     drop_cudart: bool = False  # link the wheel's versioned libcudart instead of -lcudart
+    arch_list: Optional[str] = None  # TORCH_CUDA_ARCH_LIST to set; None: leave it to torch (visible GPUs)
 
 
 def mode() -> str:
@@ -63,6 +71,13 @@ def mode() -> str:
                      "or leave it unset (CUDA when possible)")
 
 
+def gpu_visible() -> bool:
+    """Whether torch sees a CUDA GPU here."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def plan(torch_cuda_version: Optional[str]) -> CudaPlan:
     """Decide, from the mode and the machine, whether to build the CUDA kernels.
 
@@ -70,8 +85,13 @@ def plan(torch_cuda_version: Optional[str]) -> CudaPlan:
     not to build CUDA ends the build (SystemExit) with that reason.
     """
     chosen = mode()
+    asked_archs = os.environ.get(ARCH_ENV, "").strip()
     if chosen == "off":
         result = CudaPlan(False, f"{ENV}=0: building the CPU operators only")
+    elif chosen == "auto" and torch_cuda_version and not asked_archs and not gpu_visible():
+        result = CudaPlan(False, f"building the CPU operators only, without CUDA kernels: no GPU is visible "
+                                 f"(set {ENV}=1 or {ARCH_ENV}, e.g. \"{DEFAULT_ARCHS}\", to build them for "
+                                 f"a GPU elsewhere; {ENV}=0 silences this)")
     else:
         try:
             result = _cuda_plan(torch_cuda_version)
@@ -80,6 +100,9 @@ def plan(torch_cuda_version: Optional[str]) -> CudaPlan:
                 raise SystemExit(f"{_PREFIX} {ENV}=1 but the CUDA kernels cannot be built: {exc}") from None
             result = CudaPlan(False, f"building the CPU operators only, without CUDA kernels: {exc} "
                                      f"(set {ENV}=0 to silence this, {ENV}=1 to require CUDA)")
+        if result.enabled and not asked_archs and not gpu_visible():
+            result.arch_list = DEFAULT_ARCHS
+            result.reason += f", for {ARCH_ENV}={DEFAULT_ARCHS} (no GPU visible)"
     print(f"{_PREFIX} {result.reason}", file=sys.stderr, flush=True)
     return result
 

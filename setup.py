@@ -1,28 +1,52 @@
 """Build script for torch_bn_grad.
 
+The extension is built against the torch it runs with: install torch first,
+then ``pip install --no-build-isolation -e .`` (README). Under pip's build
+isolation torch cannot be imported here, and the build stops at once saying so
+(fetching another torch into the isolated environment would build against a
+C++ ABI that the installed torch may not have).
+
 The C++ operators are always built for the CPU. The hot CPU kernels in
 ``csrc/cpu/kernels/`` are compiled once per instruction set (default, AVX2,
 AVX512) and the matching copy is picked at run time from
-``at::get_cpu_capability()``. CUDA sources are added when the installed
-torch was built with CUDA and a matching CUDA toolkit is found
-(``cuda_build.py``); ``TORCH_BN_GRAD_CUDA=0`` builds for the CPU only,
-``TORCH_BN_GRAD_CUDA=1`` requires CUDA, unset builds CUDA when possible.
+``at::get_cpu_capability()``. Every compile (per-ISA kernels and the rest)
+runs from one queue, as many at once as there are CPUs (``MAX_JOBS``), the
+longest first; the other sources share a precompiled header of torch's
+headers. CUDA kernels are built where a GPU is visible, for its architecture,
+or when asked (``TORCH_BN_GRAD_CUDA=1`` or ``TORCH_CUDA_ARCH_LIST``), see
+``cuda_build.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import glob
+import hashlib
+import logging
 import os
 import platform
+import subprocess
 import sys
 
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit(
+        "torch_bn_grad setup: torch is not importable here. The extension is compiled against the torch it "
+        "will run with, so pip's build isolation (a separate environment with another torch) cannot build it. "
+        "Install torch first (pip install -r requirements-build.txt), then: "
+        "pip install --no-build-isolation -e .") from None
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import (
+
+# torch.utils.cpp_extension warns at import, where no GPU is visible, that it
+# guessed CUDA_HOME; cuda_build.py finds the toolkit itself and says in one
+# line what it decided.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+from torch.utils.cpp_extension import (  # noqa: E402
     BuildExtension,
     CppExtension,
     CUDAExtension,
+    get_cxx_compiler,
     include_paths,
 )
 
@@ -59,14 +83,19 @@ if platform.machine() in ("x86_64", "AMD64"):
 else:
     ISA_FLAGS = {"DEFAULT": []}
 
-ISA_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
+KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
+# The heavy headers most of the other C++ sources include (Python.h first, as
+# Python asks), precompiled once for all of them with GCC: parsing them was
+# about 15 s of each source's compile. TORCH_BN_GRAD_PCH=0 compiles without.
+PRECOMPILED = "#include <Python.h>\n#include <ATen/ATen.h>\n#include <torch/library.h>\n"
+USE_PCH = os.environ.get("TORCH_BN_GRAD_PCH", "1") != "0"
 
 
 _CUDA_PLAN = None
 
 
 def _with_cuda() -> bool:
-    """Whether to build the CUDA kernels (TORCH_BN_GRAD_CUDA: 0 = no, 1 = required, unset = if possible)."""
+    """Whether to build the CUDA kernels (cuda_build.plan decides and says why)."""
     global _CUDA_PLAN
     if _CUDA_PLAN is None:
         _CUDA_PLAN = cuda_build.plan(torch.version.cuda)
@@ -75,38 +104,94 @@ def _with_cuda() -> bool:
     return _CUDA_PLAN.enabled
 
 
-class BuildWithIsaKernels(BuildExtension):
-    """BuildExtension that also compiles the CPU kernels once per ISA.
+def _jobs() -> int:
+    """Compilers run at once: MAX_JOBS, else the CPUs this process may use."""
+    if os.environ.get("MAX_JOBS"):
+        return max(1, int(os.environ["MAX_JOBS"]))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    The per-ISA objects are linked after the generic ones (default ISA first),
-    so that where an inline header function exists in several objects the
-    linker keeps the baseline copy.
+
+class BuildInOneQueue(BuildExtension):
+    """BuildExtension with every compile in one queue.
+
+    torch's BuildExtension runs one ninja per call, so the per-ISA kernel
+    copies (same sources, other flags) need calls of their own. Here each
+    source and flag set is one task of a single queue of `_jobs()` workers
+    (one ninja each, in its own folder, so that rebuilds stay incremental),
+    started longest first, so that both cores of a 2-CPU machine stay busy
+    to the end. The objects are linked generic first, then the ISA copies
+    default first: where an inline header function exists in several
+    objects, the linker keeps the baseline copy.
     """
 
     def build_extension(self, ext) -> None:  # noqa: D102 (setuptools hook)
-        cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) \
-            else list(ext.extra_compile_args)
+        cxx = list(ext.extra_compile_args["cxx"])
+        nvcc = list(ext.extra_compile_args.get("nvcc", []))
+        generic = [os.path.abspath(s) for s in ext.sources]
+        tasks = []  # (sources, output folder, cxx flags), longest first
+        for isa, flags in ISA_FLAGS.items():
+            defines = [f"-DCPU_CAPABILITY={isa}"] + ([f"-DCPU_CAPABILITY_{isa}"] if isa != "DEFAULT" else [])
+            for source in KERNEL_SOURCES:
+                tasks.append(([source], os.path.join("isa", isa.lower()), cxx + flags + defines))
+        # nvcc's sources first, then the largest.
+        for source in sorted(generic, key=lambda s: (not s.endswith(".cu"), -os.path.getsize(s))):
+            tasks.append(([source], "generic", cxx))
 
-        def compile_isa(isa: str) -> list[str]:
-            defines = [f"-DCPU_CAPABILITY={isa}"]
-            if isa != "DEFAULT":
-                defines.append(f"-DCPU_CAPABILITY_{isa}")
-            return self.compiler.compile(
-                ISA_SOURCES,
-                output_dir=os.path.join(self.build_temp, "isa", isa.lower()),
-                include_dirs=ext.include_dirs,
-                extra_postargs={"cxx": cxx + ISA_FLAGS[isa] + defines, "nvcc": []},
-            )
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_jobs()) as pool:
+            # The precompiled header is the queue's first task; the generic
+            # sources (queued after the kernels) wait for it.
+            pch = pool.submit(self._precompiled_header, ext, cxx) if USE_PCH else None
 
-        # The ISAs' compiles run side by side (one ninja each, in its own
-        # folder): one after the other, each waited for its slowest source
-        # with the other cores idle (CPU build on 2 cores: 882 s -> 541 s).
-        # MAX_JOBS, a cap on compilers at once, keeps them one after the other.
-        workers = 1 if os.environ.get("MAX_JOBS") else len(ISA_FLAGS)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            per_isa = list(pool.map(compile_isa, ISA_FLAGS))
-        ext.extra_objects = list(ext.extra_objects or []) + [o for objects in per_isa for o in objects]
-        super().build_extension(ext)
+            def compile_task(task):
+                sources, folder, flags = task
+                if folder == "generic" and pch is not None and pch.result():
+                    flags = flags + ["-include", pch.result(), "-Winvalid-pch"]
+                name = os.path.splitext(os.path.basename(sources[0]))[0]
+                return self.compiler.compile(
+                    sources, output_dir=os.path.join(self.build_temp, folder, name),
+                    include_dirs=ext.include_dirs, extra_postargs={"cxx": flags, "nvcc": nvcc})
+
+            futures = [pool.submit(compile_task, t) for t in tasks]
+            try:
+                per_task = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        isa_objects = [o for (_, folder, _), objs in zip(tasks, per_task) if folder != "generic" for o in objs]
+        generic_objects = [o for (_, folder, _), objs in zip(tasks, per_task) if folder == "generic" for o in objs]
+        by_source = dict(zip([t[0][0] for t in tasks if t[1] == "generic"], generic_objects))
+        ordered = [by_source[s] for s in generic] + isa_objects  # generic in source order, then default ISA first
+
+        # setuptools links what the queue compiled; its own compile call returns those objects.
+        ninja_compile = self.compiler.compile
+        self.compiler.compile = lambda *args, **kwargs: ordered
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = ninja_compile
+
+    def _precompiled_header(self, ext, cxx: list[str]) -> str | None:
+        """torch's headers precompiled with the generic sources' flags; the
+        header to pass with -include (GCC reads its .gch instead). None where
+        the compiler is not GCC."""
+        version = subprocess.run([get_cxx_compiler(), "--version"], capture_output=True, text=True).stdout
+        if "Free Software Foundation" not in version:
+            return None
+        folder = os.path.join(os.path.abspath(self.build_temp), "pch")
+        os.makedirs(folder, exist_ok=True)
+        header = os.path.join(folder, "torch_headers.h")
+        includes = [f"-I{d}" for d in list(ext.include_dirs) + list(self.compiler.include_dirs)]
+        command = [get_cxx_compiler(), *self.compiler.compiler_so[1:], *includes, "-x", "c++-header", header,
+                   "-o", header + ".gch", *cxx]
+        # The command and torch's version in the header: any change rebuilds it.
+        stamp = hashlib.sha256(" ".join(command + [torch.__version__]).encode()).hexdigest()
+        text = f"// Precompiled by setup.py ({stamp}).\n{PRECOMPILED}"
+        if not (os.path.exists(header + ".gch") and os.path.exists(header) and open(header).read() == text):
+            with open(header, "w") as f:
+                f.write(text)
+            subprocess.run(command, check=True)
+        return header
 
 
 def _extension():
@@ -120,9 +205,8 @@ def _extension():
     )
     if _with_cuda():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        if not arch:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        if _CUDA_PLAN.arch_list:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = _CUDA_PLAN.arch_list
         kwargs["library_dirs"] = list(_CUDA_PLAN.library_dirs)
         kwargs["extra_link_args"] = LINK_FLAGS + _CUDA_PLAN.link_args
         ext = CUDAExtension(
@@ -130,15 +214,18 @@ def _extension():
             extra_compile_args={
                 "cxx": CXX_FLAGS + ["-DTORCH_BN_GRAD_WITH_CUDA"],
                 # --threads 0: each architecture's device code on its own CPU
-                # (one .cu for sm_80 and sm_90: 115 s instead of 185 s on 2 cores).
+                # (one .cu for sm_80 and sm_90: 115 s instead of 185 s on 2 CPUs).
                 "nvcc": [CXX_STD, "-O3", "-DTORCH_BN_GRAD_WITH_CUDA", "--threads", "0", *TORCH_HEADERS],
             },
             **kwargs,
         )
         if _CUDA_PLAN.drop_cudart:
             ext.libraries.remove("cudart")
-        return ext
-    return CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
+    else:
+        ext = CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
+    # Headers and kernel sources too: a change to any of them relinks.
+    ext.depends = sorted(glob.glob(os.path.join("csrc", "**", "*.*"), recursive=True))
+    return ext
 
 
 setup(
@@ -147,7 +234,7 @@ setup(
     description="Fast, exact, fused batch-norm forward and backward operators for PyTorch",
     packages=find_packages(include=["torch_bn_grad", "torch_bn_grad.*"]),
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildWithIsaKernels},
+    cmdclass={"build_ext": BuildInOneQueue},
     python_requires=">=3.9",
     install_requires=["torch"],
     extras_require={"test": ["pytest", "hypothesis", "numpy"], "plot": ["matplotlib"]},

@@ -2,9 +2,12 @@
 machine's real tools, and the installed extension.
 
 * ``TORCH_BN_GRAD_CUDA``: ``0`` builds for the CPU, ``1`` requires CUDA and
-  fails saying why when impossible, anything else is refused; checked by
-  running ``python setup.py --name`` (which makes the decision and builds
-  nothing).
+  fails saying why when impossible, anything else is refused; unset, CUDA is
+  built only where a GPU is visible or ``TORCH_CUDA_ARCH_LIST`` asks for it.
+  Checked by running ``python setup.py --name`` (which makes the decision and
+  builds nothing).
+* Without torch importable (pip's build isolation) setup.py stops at once with
+  the command to use.
 * The toolkit is found through an ``nvcc`` wrapper outside the toolkit, with
   its libraries in ``lib/`` only, and without any ``libcudart.so`` (then
   torch's wheel's CUDA runtime is linked).
@@ -49,7 +52,8 @@ needs_toolkit = pytest.mark.skipif(TOOLKIT is None, reason=TOOLKIT_SKIP)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", cuda_build.ENV)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUDA_HOME", "CUDA_PATH", cuda_build.ENV, cuda_build.ARCH_ENV)}
     env.update(extra)
     return env
 
@@ -90,11 +94,34 @@ def test_cuda_1_fails_clearly_when_impossible():
     assert reason in result.stderr, result.stderr
 
 
+def _setup_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("torch_bn_grad setup:")]
+
+
 def test_auto_falls_back_to_the_cpu_with_one_message():
     result = _setup_name(_clean_env(CUDA_HOME=os.path.join(ROOT, "no-such-toolkit")))
     assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("torch_bn_grad setup:")]
+    lines = _setup_lines(result)
     assert len(lines) == 1 and "CPU operators only, without CUDA kernels" in lines[0], result.stderr
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="the installed torch is a CPU build")
+def test_auto_without_a_visible_gpu_builds_for_the_cpu_and_says_how_to_get_cuda():
+    result = _setup_name(_clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr
+    lines = _setup_lines(result)
+    assert len(lines) == 1 and "no GPU is visible" in lines[0], result.stderr
+    assert "TORCH_BN_GRAD_CUDA=1" in lines[0] and "TORCH_CUDA_ARCH_LIST" in lines[0]
+    assert not result.stderr.replace(lines[0], "").strip(), result.stderr  # nothing else: no warnings
+
+
+def test_without_torch_stops_at_once_with_the_command_to_use():
+    # As under pip's build isolation: torch is not importable.
+    code = "import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; exec(open('setup.py').read())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    assert "pip install --no-build-isolation -e ." in result.stderr, result.stderr
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="the installed torch is a CUDA build")
@@ -112,6 +139,20 @@ def _wrapper_dir(tmp_path, real_nvcc: str) -> str:
     wrapper.write_text(f'#!/bin/sh\nexec "{real_nvcc}" "$@"\n')
     wrapper.chmod(0o755)
     return str(bin_dir)
+
+
+@needs_toolkit
+def test_arch_list_asks_for_cuda_without_a_gpu():
+    result = _setup_name(_clean_env(CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="8.0"))
+    assert result.returncode == 0, result.stderr
+    lines = _setup_lines(result)
+    assert len(lines) == 1 and "building the CUDA kernels" in lines[0], result.stderr
+
+
+@needs_toolkit
+def test_cuda_1_builds_for_the_visible_gpu_else_the_default_architectures():
+    plan = _plan_with(TORCH_BN_GRAD_CUDA="1")
+    assert plan.enabled and plan.arch_list == (None if torch.cuda.is_available() else cuda_build.DEFAULT_ARCHS)
 
 
 @needs_toolkit
@@ -157,9 +198,10 @@ def test_no_libcudart_in_the_toolkit_links_the_wheel_runtime(tmp_path):
 
 
 def _plan_with(**env: str) -> cuda_build.CudaPlan:
-    saved = {k: os.environ.get(k) for k in ("CUDA_HOME", "CUDA_PATH", cuda_build.ENV)}
+    saved = {k: os.environ.get(k) for k in ("CUDA_HOME", "CUDA_PATH", cuda_build.ENV, cuda_build.ARCH_ENV)}
     try:
         os.environ.pop("CUDA_PATH", None)
+        os.environ.pop(cuda_build.ARCH_ENV, None)
         os.environ.update(env)
         return cuda_build.plan(torch.version.cuda)
     finally:
@@ -175,8 +217,8 @@ def test_installed_extension_has_cuda_kernels_when_buildable():
     kernels = _has_cuda_kernels()
     if torch.version.cuda is None:
         assert not any(kernels)
-    elif os.environ.get(cuda_build.ENV) == "0" or TOOLKIT is None:
-        print(f"CUDA kernels built: {kernels} ({cuda_build.ENV}=0 or no toolkit: not required)")
+    elif os.environ.get(cuda_build.ENV) == "0" or TOOLKIT is None or not torch.cuda.is_available():
+        print(f"CUDA kernels built: {kernels} ({cuda_build.ENV}=0, no toolkit or no GPU: not required)")
     else:
         assert all(kernels), (
             f"torch {torch.__version__} and the CUDA toolkit {TOOLKIT[0]} are here, yet the installed "

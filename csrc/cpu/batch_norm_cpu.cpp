@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
     if (src.numel() > 0) {
       load_kernel_channels(mean, plan, 0, src, mean_d);
       load_kernel_channels(variance, plan, 0, src, var_d);
-      kernel_table().forward_frozen(to_kernel_layout(src, plan), out.buffer, e, mean_d, var_d, gamma_d, beta_d,
+      kernel_table().forward_frozen(to_kernel_layout(src, plan), {}, out.buffer, e, mean_d, var_d, gamma_d, beta_d,
                                     epsilon);
       finish_kernel_output(out, plan);
     }
@@ -56,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
   if (plan.reduced_count() == 0) {
     std::fill_n(mean_d, 2 * C, std::numeric_limits<double>::quiet_NaN());
   } else if (src.numel() > 0) {
-    kernel_table().forward_batch(to_kernel_layout(src, plan), out.buffer, e, gamma_d, beta_d, epsilon, mean_d, var_d);
+    kernel_table().forward_batch(to_kernel_layout(src, plan), {}, out.buffer, e, gamma_d, beta_d, epsilon, mean_d, var_d);
     finish_kernel_output(out, plan);
   }
   const auto stats_dtype = accumulate_type(src.scalar_type());

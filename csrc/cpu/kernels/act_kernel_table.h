@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "activation_math.h"
+#include "cpu/kernels/isa_copy.h"
 #include "extent.h"
 
 namespace torch_bn_grad::cpu {
@@ -55,8 +56,14 @@ struct ActKernelTable {
 
 const ActKernelTable& act_kernel_table();
 
+// One table per compiled instruction set, defined with the backward
+// (batch_norm_act_backward_kernels.cpp); the forward is compiled apart
+// (batch_norm_act_forward_kernels.cpp), so that the two build side by side.
 const ActKernelTable& act_kernel_table_DEFAULT();
 const ActKernelTable& act_kernel_table_AVX2();
 const ActKernelTable& act_kernel_table_AVX512();
+void act_forward_DEFAULT(ActForwardArgs& a);
+void act_forward_AVX2(ActForwardArgs& a);
+void act_forward_AVX512(ActForwardArgs& a);
 
 }  // namespace torch_bn_grad::cpu

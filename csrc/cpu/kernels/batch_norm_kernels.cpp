@@ -47,11 +47,6 @@
 #include "cpu/kernels/operators.h"
 #include "cpu/kernels/partition.h"
 
-#define TBG_CONCAT_IMPL(a, b) a##b
-#define TBG_CONCAT(a, b) TBG_CONCAT_IMPL(a, b)
-#define TBG_STR_IMPL(x) #x
-#define TBG_STR(x) TBG_STR_IMPL(x)
-
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {
@@ -107,19 +102,19 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
 #define TBG_DISPATCH(tensor, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
 
-void forward_batch(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* gamma, const double* beta,
-                   double epsilon, double* mean, double* var) {
+void forward_batch(const at::Tensor& src, const at::Tensor& residual, at::Tensor& dst, const Extent& e,
+                   const double* gamma, const double* beta, double epsilon, double* mean, double* var) {
   TBG_DISPATCH(src, "forward_batch", [&] {
-    forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, gamma,
-                                 beta, epsilon, mean, var);
+    forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(residual),
+                                 dst.mutable_data_ptr<scalar_t>(), e, gamma, beta, epsilon, mean, var);
   });
 }
 
-void forward_frozen(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* mean, const double* var,
-                    const double* gamma, const double* beta, double epsilon) {
+void forward_frozen(const at::Tensor& src, const at::Tensor& residual, at::Tensor& dst, const Extent& e,
+                    const double* mean, const double* var, const double* gamma, const double* beta, double epsilon) {
   TBG_DISPATCH(src, "forward_frozen", [&] {
-    forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), nullptr, dst.mutable_data_ptr<scalar_t>(), e, mean,
-                                  var, gamma, beta, epsilon);
+    forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(residual),
+                                  dst.mutable_data_ptr<scalar_t>(), e, mean, var, gamma, beta, epsilon);
   });
 }
 
@@ -182,12 +177,12 @@ void grad_input(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& d
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
-const KernelTable& TBG_CONCAT(kernel_table_, CPU_CAPABILITY)() {
+const KernelTable& TBG_ISA_COPY(kernel_table)() {
   static const KernelTable table{
       &CPU_CAPABILITY::forward_batch, &CPU_CAPABILITY::forward_frozen, &CPU_CAPABILITY::backward,
       &CPU_CAPABILITY::batch_moments, &CPU_CAPABILITY::grad_sums,
       &CPU_CAPABILITY::grad_input,    &CPU_CAPABILITY::update_running, &CPU_CAPABILITY::widen_channels,
-      &CPU_CAPABILITY::narrow_channels, TBG_STR(CPU_CAPABILITY)};
+      &CPU_CAPABILITY::narrow_channels, TBG_ISA_NAME};
   return table;
 }
 

@@ -18,6 +18,8 @@
 //   when they hold no per-channel data and address elements by offset only.
 #pragma once
 
+#include <c10/macros/Macros.h>
+
 #include <cstdint>
 
 #include "cpu/kernels/vec_io.h"
@@ -42,6 +44,41 @@ struct PlainEpilogue {
   void post(Vec&) const {}
   void stored(const T*, int64_t, int64_t, const Vec (&)[P]) const {}
 };
+
+// A chunk coefficient that is the same vector for each of the chunk's parts
+// (one channel's, in the plane kernels).
+template <typename V>
+struct EveryPart {
+  V v;
+  C10_ALWAYS_INLINE const V& operator[](int) const { return v; }
+};
+
+// The elementwise pass on the chunk at `off` (lanes < K: a partial chunk),
+// the plane and the row kernels' alike: out = x_scale * (x - mean) + bias,
+// plus dy_scale * y where y is given (y as the bound turns it), through the
+// epilogue's hooks. `k` holds mean, x_scale, bias and dy_scale, each indexed
+// by the chunk's part; `stream`: a full chunk goes out with a streaming store.
+template <typename T, typename Coefficients, typename Bound, typename E>
+C10_ALWAYS_INLINE void affine_chunk(const T* x, const T* y, T* out, int64_t off, const Coefficients& k,
+                                    const Bound& bound, const E& ep, bool stream, int64_t lanes = Io<T>::kChunk) {
+  using IO = Io<T>;
+  typename IO::Vec xv[IO::kParts], yv[IO::kParts];
+  IO::load_lanes(x + off, lanes, xv);
+  if (y) {
+    IO::load_lanes(y + off, lanes, yv);
+    bound.apply(off, lanes, xv, yv);
+    ep.store_dz(off, lanes, yv);
+  }
+  for (int q = 0; q < IO::kParts; ++q) {
+    xv[q] = at::vec::fmadd(xv[q] - k.mean[q], k.x_scale[q], k.bias[q]);
+    if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
+    ep.post(xv[q]);
+  }
+  if (lanes < IO::kChunk) IO::store_partial(out + off, lanes, xv);
+  else if (stream) IO::store_stream(out + off, xv);
+  else IO::store(out + off, xv);
+  ep.stored(out, off, lanes, xv);
+}
 
 }  // namespace
 }  // namespace CPU_CAPABILITY

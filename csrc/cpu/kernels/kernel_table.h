@@ -8,18 +8,21 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cpu/kernels/isa_copy.h"
 #include "extent.h"
 
 namespace torch_bn_grad::cpu {
 
 struct KernelTable {
   // Training forward: batch mean and biased variance (written to mean, var),
-  // then dst = scale * (src - mean) + shift.
-  void (*forward_batch)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* gamma,
-                        const double* beta, double epsilon, double* mean, double* var);
+  // then dst = scale * (src - mean) + shift (+ residual, when defined: the
+  // fused operators' identity activation).
+  void (*forward_batch)(const at::Tensor& src, const at::Tensor& residual, at::Tensor& dst, const Extent& e,
+                        const double* gamma, const double* beta, double epsilon, double* mean, double* var);
   // Forward with given statistics.
-  void (*forward_frozen)(const at::Tensor& src, at::Tensor& dst, const Extent& e, const double* mean,
-                         const double* var, const double* gamma, const double* beta, double epsilon);
+  void (*forward_frozen)(const at::Tensor& src, const at::Tensor& residual, at::Tensor& dst, const Extent& e,
+                         const double* mean, const double* var, const double* gamma, const double* beta,
+                         double epsilon);
   // Backward: diff_src when `diff_src` is defined, diff_gamma and diff_beta when
   // they are not null; `training` selects the batch-statistics gradient.
   void (*backward)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,

@@ -1,11 +1,12 @@
 // The operators' algorithms over the blocks of partition.h, shared by plain
 // batch norm (batch_norm_kernels.cpp) and the fused batch_norm_act operators
-// (batch_norm_act_kernels.cpp), which pass an epilogue (epilogue.h,
-// act_gates.h) down to the block kernels. Numerics and scheduling are
-// described in batch_norm_kernels.cpp.
+// (batch_norm_act_forward_kernels.cpp, batch_norm_act_backward_kernels.cpp),
+// which pass an epilogue (epilogue.h, act_gates.h) down to the block kernels.
+// Numerics and scheduling are described in batch_norm_kernels.cpp.
 #pragma once
 
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -26,6 +27,17 @@ namespace {  // internal linkage: see vec_io.h
 
 using Moments = math::Moments<double>;
 using GradSums = math::GradSums<double>;
+
+// An operand's data, or null where the tensor is undefined (absent, or an
+// output not asked for).
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+template <typename T>
+T* out_or_null(at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
+}
 
 // ---------------------------------------------------------------- one block
 // The partition a reduction runs over: `blocks` of `extent`, the operator's
@@ -107,15 +119,35 @@ void affine_after_reduction(const Blocks& b, const T* x, const T* y, T* out, con
   for_each_block(b, e, true, [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); });
 }
 
-// A training operator in channel runs (partition.h, for_each_channel_run):
-// each run's blocks reduced, its channels finished a group at a time, then
-// its elementwise pass (x, y: the second input or null, out).
+// A training operator's three steps: reduce(block) on every block, finish
+// on every channel group, then the elementwise pass of `x`, `y` (the second
+// input, or null) into `out` with coefficients `c`. Where partition.h's
+// strategies say so, a thread runs all three on a channel run, a channel or
+// a column block at a time (`pass` picks the run length); otherwise each
+// step is one parallel region.
 template <typename T, typename E, typename Reduce, typename Finish>
-void in_channel_runs(const Blocks& b, const Extent& e, int64_t run, const Reduce& reduce, const Finish& finish,
-                     const T* x, const T* y, T* out, const math::AffineArrays<at::opmath_type<T>>& c, const E& ep) {
-  for_each_channel_run(
-      b, e, run, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-      [&](int64_t k0, int64_t k1) { PlaneKernels<T>::affine_channel_run(x, y, out, e, k0, k1, c, ep); });
+void reduce_finish_apply(const Blocks& b, const Reduction& red, const Extent& e, RunPass pass, const Reduce& reduce,
+                         const Finish& finish, const T* x, const T* y, T* out,
+                         const math::AffineArrays<at::opmath_type<T>>& c, const E& ep) {
+  auto apply = [&](const Block& blk) { affine_block<T>(b, x, y, out, e, blk, c, ep); };
+  auto finish_range = [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); };
+  if (const int64_t run = channel_run_channels(b, e, sizeof(T), pass)) {
+    for_each_channel_run(b, e, run, reduce, finish_range, [&](int64_t k0, int64_t k1) {
+      PlaneKernels<T>::affine_channel_run(x, y, out, e, k0, k1, c, ep);
+    });
+    return;
+  }
+  if (per_channel_strategy(b, e, sizeof(T))) {
+    for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
+    return;
+  }
+  if (column_block_strategy(b)) {
+    for_each_column_block(b, e, reduce, finish_range, apply, /*weigh_finish=*/true);
+    return;
+  }
+  for_each_reduction_block(red, reduce);
+  for_each_channel_group(red.blocks, e, finish);
+  affine_after_reduction<T>(b, x, y, out, e, c, ep);
 }
 
 // ---------------------------------------------------------------- operators
@@ -137,23 +169,7 @@ void forward_batch_impl(const T* x, const T* r, T* y, const Extent& e, const dou
     g.store(v, var);
     set_forward_affine(co, g, m.mean, v, gamma, beta, eps, r != nullptr);
   };
-  auto normalize = [&](const Block& blk) { affine_block<T>(b, x, r, y, e, blk, coefficients, ep); };
-  if (const int64_t run = channel_run_channels(b, e, sizeof(T), RunPass::kForward)) {
-    in_channel_runs<T>(b, e, run, reduce, finish, x, r, y, coefficients, ep);
-    return;
-  }
-  if (per_channel_strategy(b, e, sizeof(T))) {
-    for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, normalize);
-    return;
-  }
-  if (column_block_strategy(b)) {
-    for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-                          normalize, /*weigh_finish=*/true);
-    return;
-  }
-  for_each_reduction_block(red, reduce);
-  for_each_channel_group(red.blocks, e, finish);
-  affine_after_reduction<T>(b, x, r, y, e, coefficients, ep);
+  reduce_finish_apply<T>(b, red, e, RunPass::kForward, reduce, finish, x, r, y, coefficients, ep);
 }
 
 template <typename T, typename E = PlainEpilogue<T>>
@@ -210,27 +226,14 @@ void backward_impl(const T* x, const T* dy, T* dx, const Extent& e, const double
     g.store(grads.diff_gamma, diff_gamma);
     g.store(grads.diff_beta, diff_beta);
   };
-  auto apply = [&](const Block& blk) { affine_block<T>(b, x, dy, dx, e, blk, coefficients, ep); };
   if (need_sums && dx) {
-    if (const int64_t run = channel_run_channels(b, e, sizeof(T), RunPass::kBackward)) {
-      in_channel_runs<T>(b, e, run, reduce, finish, x, dy, dx, coefficients, ep);
-      return;
-    }
-    if (per_channel_strategy(b, e, sizeof(T))) {
-      for_each_channel(b, e, reduce, [&](int64_t k) { finish(ChannelGroup{k, 1}); }, apply);
-      return;
-    }
-    if (column_block_strategy(b)) {
-      for_each_column_block(b, e, reduce, [&](int64_t k0, int64_t k1) { for_each_group_in(k0, k1, finish); },
-                            apply, /*weigh_finish=*/true);
-      return;
-    }
+    reduce_finish_apply<T>(b, red, e, RunPass::kBackward, reduce, finish, x, dy, dx, coefficients, ep);
+    return;
   }
+  // No sums (frozen statistics, no parameter gradients), or no dx.
   if (need_sums) for_each_reduction_block(red, reduce);
   for_each_channel_group(red.blocks, e, finish);
-  if (!dx) return;
-  if (need_sums) affine_after_reduction<T>(b, x, dy, dx, e, coefficients, ep);
-  else affine_all<T>(b, x, dy, dx, e, coefficients, ep);
+  if (dx) affine_all<T>(b, x, dy, dx, e, coefficients, ep);
 }
 
 }  // namespace

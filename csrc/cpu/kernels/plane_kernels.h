@@ -32,11 +32,7 @@ constexpr int64_t kPrefetchAhead = 12;
 
 template <typename T>
 struct PlaneKernels {
-  using IO = Io<T>;
-  using acc_t = typename IO::acc_t;
-  using Vec = typename IO::Vec;
-  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
-  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+  TBG_KERNEL_TYPES(T);
 
   // Independent accumulator chains hide the latency of the dependent
   // compensated adds; chunk i of a run feeds group i % kGroups (a fixed
@@ -419,28 +415,15 @@ struct PlaneKernels {
   template <typename E>
   struct ChannelAffine {
     decltype(std::declval<const E&>().plane(0)) bound;
-    Vec m, xs, b, ys;
+    // The same vector for every part of a chunk (epilogue.h's affine_chunk).
+    EveryPart<Vec> mean, x_scale, bias, dy_scale;
     ChannelAffine(const math::AffineArrays<acc_t>& c, int64_t k, bool with_y, const E& ep)
-        : bound(ep.plane(k)), m(c.mean[k]), xs(c.x_scale[k]), b(c.bias[k]), ys(with_y ? c.dy_scale[k] : acc_t(0)) {}
+        : bound(ep.plane(k)), mean{Vec(c.mean[k])}, x_scale{Vec(c.x_scale[k])}, bias{Vec(c.bias[k])},
+          dy_scale{Vec(with_y ? c.dy_scale[k] : acc_t(0))} {}
 
     C10_ALWAYS_INLINE void chunk(const T* x, const T* y, T* out, int64_t off, int64_t lanes, const E& ep,
                                  bool stream) const {
-      Vec xv[P], yv[P];
-      IO::load_lanes(x + off, lanes, xv);
-      if (y) {
-        IO::load_lanes(y + off, lanes, yv);
-        bound.apply(off, lanes, xv, yv);
-        ep.store_dz(off, lanes, yv);
-      }
-      for (int q = 0; q < P; ++q) {
-        xv[q] = at::vec::fmadd(xv[q] - m, xs, b);
-        if (y) xv[q] = at::vec::fmadd(ys, yv[q], xv[q]);
-        ep.post(xv[q]);
-      }
-      if (lanes < K) IO::store_partial(out + off, lanes, xv);
-      else if (stream) IO::store_stream(out + off, xv);
-      else IO::store(out + off, xv);
-      ep.stored(out, off, lanes, xv);
+      affine_chunk(x, y, out, off, *this, bound, ep, stream, lanes);
     }
     // `stream`: full chunks are written with streaming stores (row starts aligned).
     // A row of K or more elements ending in a partial chunk ends instead

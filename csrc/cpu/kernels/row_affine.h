@@ -21,11 +21,7 @@ namespace {  // internal linkage: see vec_io.h
 
 template <typename T>
 struct RowAffine {
-  using IO = Io<T>;
-  using acc_t = typename IO::acc_t;
-  using Vec = typename IO::Vec;
-  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
-  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+  TBG_KERNEL_TYPES(T);
 
   // One chunk's coefficients (AffineArrays at channels [j, j + lanes)), as
   // vectors; a partial chunk's lanes past them are zero.
@@ -45,30 +41,10 @@ struct RowAffine {
     return k;
   }
 
-  // affine() of the chunk at offset `off`, whose columns' hooks are `bound`:
+  // affine() of a chunk (epilogue.h's affine_chunk, k its coefficients):
   // a full chunk, or (lanes < K) the partial chunk that ends a row: its
   // columns past the last full chunk a vector at a time as well, not one
   // element at a time (row_walk.h, PartialChunk, says what that gained).
-  template <typename Bound, typename E>
-  C10_ALWAYS_INLINE static void affine_chunk(const T* x, const T* y, T* out, int64_t off, const ChunkCoefficients& k,
-                                             const Bound& bound, const E& ep, bool stream, int64_t lanes = K) {
-    Vec xv[P], yv[P];
-    IO::load_lanes(x + off, lanes, xv);
-    if (y) {
-      IO::load_lanes(y + off, lanes, yv);
-      bound.apply(off, lanes, xv, yv);
-      ep.store_dz(off, lanes, yv);
-    }
-    for (int q = 0; q < P; ++q) {
-      xv[q] = at::vec::fmadd(xv[q] - k.mean[q], k.x_scale[q], k.bias[q]);
-      if (y) xv[q] = at::vec::fmadd(k.dy_scale[q], yv[q], xv[q]);
-      ep.post(xv[q]);
-    }
-    if (lanes < K) IO::store_partial(out + off, lanes, xv);
-    else if (stream) IO::store_stream(out + off, xv);
-    else IO::store(out + off, xv);
-    ep.stored(out, off, lanes, xv);
-  }
 
   // affine() over whole rows of G chunks (G may be 0) and a partial chunk of
   // under K channels, one row after the other, every chunk's coefficients

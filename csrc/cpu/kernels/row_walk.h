@@ -43,11 +43,7 @@ namespace {  // internal linkage: see vec_io.h
 
 template <typename T>
 struct RowWalk {
-  using IO = Io<T>;
-  using acc_t = typename IO::acc_t;
-  using Vec = typename IO::Vec;
-  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;  // lanes of Vec, elements of a chunk
-  static constexpr int P = IO::kParts;                       // Vecs of a chunk
+  TBG_KERNEL_TYPES(T);
 
   // Compensated per-channel accumulators of a block, in L1.
   struct ColumnSums {

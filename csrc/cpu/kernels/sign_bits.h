@@ -18,11 +18,7 @@
 #include <type_traits>
 
 #include "cpu/kernels/partition.h"
-#include "cpu/kernels/vec_io.h"
-
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
+#include "cpu/kernels/vec_io.h"  // and <immintrin.h>
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {

@@ -173,6 +173,16 @@ struct Io {
 #endif
 };
 
+// The names the kernels over T (plane_kernels.h, row_*.h) declare: T's Io,
+// its accumulation type and vector, the lanes of a vector (W), the elements
+// of a chunk (K) and its vectors (P).
+#define TBG_KERNEL_TYPES(T)                                   \
+  using IO = Io<T>;                                           \
+  using acc_t = typename IO::acc_t;                           \
+  using Vec = typename IO::Vec;                               \
+  static constexpr int64_t W = IO::kWidth, K = IO::kChunk;    \
+  static constexpr int P = IO::kParts
+
 }  // namespace
 }  // namespace CPU_CAPABILITY
 }  // namespace torch_bn_grad::cpu

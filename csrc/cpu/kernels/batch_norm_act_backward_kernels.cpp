@@ -1,7 +1,12 @@
-// The fused batch_norm_act operators' kernels: the plain batch-norm
-// algorithms of operators.h with an activation epilogue (act_gates.h), and
-// this instruction set's ActKernelTable. Compiled once per instruction set,
+// The fused batch_norm_act backward: the plain backward of operators.h with a
+// gate (act_gates.h) that turns dy into dz = dy * act'(z), and this
+// instruction set's ActKernelTable (its forward is
+// batch_norm_act_forward_kernels.cpp's). Compiled once per instruction set,
 // like batch_norm_kernels.cpp; dtype and activation are dispatched here, once.
+//
+// relu's backward is leaky_relu's with slope 0: act'(z) is then
+// select(y > 0, 1, 0) in both, bit for bit, and relu is never inverted
+// (from_output is refused for it), so relu adds no instantiation.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
@@ -15,40 +20,12 @@
 #include "cpu/kernels/operators.h"
 #include "cpu/kernels/sign_bits.h"
 
-#define TBG_ACT_CONCAT_IMPL(a, b) a##b
-#define TBG_ACT_CONCAT(a, b) TBG_ACT_CONCAT_IMPL(a, b)
-
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename T>
-const T* data_or_null(const at::Tensor& t) {
-  return t.defined() ? t.const_data_ptr<T>() : nullptr;
-}
-template <typename T>
-T* out_or_null(at::Tensor& t) {
-  return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
-}
-
 template <typename T, typename Act>
-void forward_impl(ActForwardArgs& a) {
-  using acc_t = at::opmath_type<T>;
-  ForwardAct<T, Act> ep;
-  ep.slope = static_cast<acc_t>(a.act.slope);
-  const T* x = a.src.const_data_ptr<T>();
-  const T* r = data_or_null<T>(a.residual);
-  T* y = a.dst.mutable_data_ptr<T>();
-  if (a.dst_positive.defined()) ep.positive = a.dst_positive.mutable_data_ptr<uint8_t>();
-  if (a.batch) {
-    forward_batch_impl<T>(x, r, y, a.extent, a.gamma, a.beta, a.epsilon, a.mean, a.var, ep);
-  } else {
-    forward_frozen_impl<T>(x, r, y, a.extent, a.mean, a.var, a.gamma, a.beta, a.epsilon, ep);
-  }
-}
-
-template <typename T, typename Act>
-void backward_impl_act(ActBackwardArgs& a) {
+void backward_as(ActBackwardArgs& a, double act_slope) {
   using acc_t = at::opmath_type<T>;
   const Extent& e = a.extent;
   const T* x = a.data.const_data_ptr<T>();
@@ -58,7 +35,7 @@ void backward_impl_act(ActBackwardArgs& a) {
   T* dz = out_or_null<T>(a.diff_residual);
   const double *mean = a.mean, *var = a.var, *gamma = a.gamma, *beta = a.beta;
   double *dgamma = a.diff_gamma, *dbeta = a.diff_beta;
-  const acc_t slope = static_cast<acc_t>(a.act.slope);
+  const acc_t slope = static_cast<acc_t>(act_slope);
   if constexpr (Act::kGradFromOutput) {
     constexpr bool kInvertible = Act::kKind == act::Kind::identity || Act::kKind == act::Kind::leaky_relu;
     if constexpr (kInvertible) {
@@ -103,19 +80,16 @@ void backward_impl_act(ActBackwardArgs& a) {
   }
 }
 
-#define TBG_ACT_DISPATCH(tensor, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
-
-void forward(ActForwardArgs& a) {
-  TBG_ACT_DISPATCH(a.src, "batch_norm_act_forward", [&] {
-    act::dispatch_activation(a.act.kind, [&](auto activation) { forward_impl<scalar_t, decltype(activation)>(a); });
-  });
-}
-
 void backward(ActBackwardArgs& a) {
-  TBG_ACT_DISPATCH(a.data, "batch_norm_act_backward", [&] {
-    act::dispatch_activation(a.act.kind,
-                             [&](auto activation) { backward_impl_act<scalar_t, decltype(activation)>(a); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.data.scalar_type(), "batch_norm_act_backward", [&] {
+    act::dispatch_activation(a.act.kind, [&](auto activation) {
+      using Act = decltype(activation);
+      if constexpr (Act::kKind == act::Kind::relu) {
+        backward_as<scalar_t, act::LeakyRelu>(a, 0.0);
+      } else {
+        backward_as<scalar_t, Act>(a, a.act.slope);
+      }
+    });
   });
 }
 
@@ -127,8 +101,8 @@ bool sign_bits_fit(const Extent& e, at::ScalarType dtype) {
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
-const ActKernelTable& TBG_ACT_CONCAT(act_kernel_table_, CPU_CAPABILITY)() {
-  static const ActKernelTable table{&CPU_CAPABILITY::forward, &CPU_CAPABILITY::backward,
+const ActKernelTable& TBG_ISA_COPY(act_kernel_table)() {
+  static const ActKernelTable table{&TBG_ISA_COPY(act_forward), &CPU_CAPABILITY::backward,
                                     &CPU_CAPABILITY::sign_bits_fit};
   return table;
 }
