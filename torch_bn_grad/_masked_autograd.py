@@ -73,6 +73,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
     src, mask, gamma, beta, mean, variance, epsilon = inputs
     _, used_mean, used_variance, count = output
     ctx.mark_non_differentiable(count)
+    ctx.set_materialize_grads(False)  # unused statistics get None, not zeros to compute with
     ctx.save_for_backward(src, mask, gamma, used_mean, used_variance, count)
     ctx.training = mean is None
     ctx.epsilon = epsilon
@@ -94,7 +95,9 @@ def _forward_backward(ctx, grad_dst, grad_mean, grad_variance, _grad_count):
     frozen_stats = not ctx.training and (needs[4] or needs[5])
     if grad_dst is not None:
         wanted = [needs[0], needs[2] or frozen_stats, needs[3] or frozen_stats]
-        ds, dg, db = BACKWARD(src, mask, grad_dst, mean, variance, gamma, ctx.epsilon, ctx.training, wanted)
+        # Half-precision parameters with float32 batch statistics: the backward takes them as the statistics' dtype.
+        g_stats = gamma.to(mean.dtype) if gamma is not None and gamma.dtype != mean.dtype else gamma
+        ds, dg, db = BACKWARD(src, mask, grad_dst, mean, variance, g_stats, ctx.epsilon, ctx.training, wanted)
         diff_src = ds if needs[0] else None
         diff_gamma = dg.to(gamma_dtype) if needs[2] else None
         diff_beta = db.to(beta_dtype) if needs[3] else None
@@ -136,6 +139,7 @@ def _add(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
 def _backward_setup_context(ctx, inputs, output) -> None:
     src, mask, diff_dst, mean, variance, gamma, epsilon, training, output_mask = inputs
     ctx.save_for_backward(src, mask, diff_dst, mean, variance, gamma)
+    ctx.set_materialize_grads(False)
     ctx.epsilon = epsilon
     ctx.training = training
     ctx.output_mask = list(output_mask)
