@@ -310,6 +310,49 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
   return forward_plan("batch_norm_forward", src, gamma, beta, mean, variance, epsilon, data_format);
 }
 
+namespace {
+// The masked operators' extra checks: src of rank 2 or more, 1-D statistics
+// (no broadcast form), and the mask.
+void check_masked_args(const char* op, const at::Tensor& src, const at::Tensor& mask, const ChannelPlan& plan) {
+  TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank, " (N, C, *), got shape ",
+                    src.sizes());
+  TORCH_CHECK_VALUE(plan.stats_shape.size() == 1, op, ": the per-channel tensors must be 1-D of length C = ",
+                    src.size(1), ", got shape ", c10::IntArrayRef(plan.stats_shape));
+  check_same_device(op, "mask", mask, src);
+  TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, op, ": mask must have dtype torch.bool (True: a valid "
+                   "position), got ", dtype_name(mask.scalar_type()));
+  std::vector<int64_t> expected = src.sizes().vec();
+  expected.erase(expected.begin() + 1);
+  TORCH_CHECK_VALUE(mask.sizes().vec() == expected, op, ": mask must have shape ", c10::IntArrayRef(expected),
+                    " (src's shape ", src.sizes(), " without the channel dim 1), got ", mask.sizes());
+}
+}  // namespace
+
+ChannelPlan check_masked_forward_args(const at::Tensor& src, const at::Tensor& mask,
+                                      const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                      const std::optional<at::Tensor>& mean,
+                                      const std::optional<at::Tensor>& variance, double epsilon) {
+  const char* op = "batch_norm_masked_forward";
+  TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank, " (N, C, *), got shape ",
+                    src.sizes());
+  ChannelPlan plan = forward_plan(op, src, gamma, beta, mean, variance, epsilon, "NCX");
+  check_masked_args(op, src, mask, plan);
+  return plan;
+}
+
+ChannelPlan check_masked_backward_args(const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst,
+                                       const at::Tensor& mean, const at::Tensor& variance,
+                                       const std::optional<at::Tensor>& gamma, double epsilon) {
+  const char* op = "batch_norm_masked_backward";
+  check_src(op, src, epsilon, "NCX");
+  TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank, " (N, C, *), got shape ",
+                    src.sizes());
+  check_same_like_src(op, "diff_dst", diff_dst, src);
+  ChannelPlan plan = check_backward_statistics(op, src, mean, variance, gamma, std::nullopt, "NCX");
+  check_masked_args(op, src, mask, plan);
+  return plan;
+}
+
 ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
                                const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
                                const std::optional<at::Tensor>& variance,

@@ -53,6 +53,18 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
                                const std::optional<at::Tensor>& variance, double epsilon,
                                c10::string_view data_format);
 
+// The masked operators' arguments: those of batch_norm_forward / _backward
+// (channel axis 1, src of rank 2 or more, 1-D per-channel tensors), and
+// `mask`, bool of src's shape without dim 1, on src's device (TypeError for
+// another dtype, ValueError naming the expected shape otherwise).
+ChannelPlan check_masked_forward_args(const at::Tensor& src, const at::Tensor& mask,
+                                      const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                      const std::optional<at::Tensor>& mean,
+                                      const std::optional<at::Tensor>& variance, double epsilon);
+ChannelPlan check_masked_backward_args(const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst,
+                                       const at::Tensor& mean, const at::Tensor& variance,
+                                       const std::optional<at::Tensor>& gamma, double epsilon);
+
 // The fused batch_norm_act operators' arguments: the plan and the activation.
 // The backward's data tensor (the plan's src) is src, or dst when from_output.
 struct ActPlan {

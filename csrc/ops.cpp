@@ -200,6 +200,22 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "batch_norm_update_running_stats(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
       "Tensor variance, int count, float momentum) -> ()");
 
+  // Masked batch norm for padded batches (csrc/masked_batch_norm_args.h):
+  // mask, bool of src's shape without dim 1 ((N,) for 2-D src), True where a
+  // position is valid. The statistics and every sum run over valid positions
+  // only; padded positions of dst and diff_src are exactly 0 and are never
+  // read, whatever they hold. The channel axis is 1; the per-channel tensors
+  // are 1-D. `count` is the number of valid positions per channel, a float64
+  // scalar tensor (no host synchronization on the mask is needed to use it);
+  // with none, mean and variance are 0 and dst is zeros.
+  m.def(
+      "batch_norm_masked_forward(Tensor src, Tensor mask, Tensor? gamma, Tensor? beta, Tensor? mean, "
+      "Tensor? variance, float epsilon) -> (Tensor dst, Tensor mean, Tensor variance, Tensor count)");
+  m.def(
+      "batch_norm_masked_backward(Tensor src, Tensor mask, Tensor diff_dst, Tensor mean, Tensor variance, "
+      "Tensor? gamma, float epsilon, bool training, bool[3] output_mask) "
+      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta)");
+
   // Split stages, for batch statistics over several processes (SyncBatchNorm).
   // They take the 1-D channel form (src of rank 2 to 8, channel axis chosen by
   // data_format); their per-channel statistics are float64 of shape (C,), and

@@ -13,7 +13,7 @@ The CPU output cache: :mod:`torch_bn_grad.memory`.
 import torch  # noqa: F401  (loads libc10/libtorch, which the extension links against)
 
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
-from torch_bn_grad import _autograd, _fake, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
+from torch_bn_grad import _autograd, _fake, _masked_autograd, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
 from torch_bn_grad import config, functional, memory, nn, stages
 from torch_bn_grad import _inductor
 from torch_bn_grad.autograd import BatchNormFunction

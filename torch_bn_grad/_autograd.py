@@ -3,6 +3,8 @@ flow). The forward operator's formula is C++ (``csrc/batch_norm_autograd.cpp``).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence, Union
+
 import torch
 from torch import Tensor
 
@@ -11,18 +13,30 @@ from torch_bn_grad._autograd_kernel import register_autograd
 
 
 class _PerChannel:
-    """Per-channel algebra on ``src`` in the accumulation dtype, for the autograd formulas."""
+    """Per-channel algebra on ``src`` in the accumulation dtype, for the autograd formulas.
 
-    def __init__(self, src: Tensor, stats: Tensor, data_format: str) -> None:
+    ``valid`` (masked batch norm): a bool tensor broadcastable against ``src``,
+    True at the positions the sums run over; ``count`` is then their number
+    per channel, a tensor (at least 1)."""
+
+    def __init__(self, src: Tensor, stats: Tensor, data_format: str, valid: Optional[Tensor] = None) -> None:
         self.src = src
         self.data_format = data_format
         self.dtype = _channels.accumulation_dtype(src)
         self.shape = list(stats.shape)
         self.dims = _channels.reduced_dims(src, stats, data_format)
-        self.count = max(_channels.reduced_count(src, self.dims), 1)
+        self.valid = valid
+        if valid is None:
+            self.count: Union[int, Tensor] = max(_channels.reduced_count(src, self.dims), 1)
+        else:
+            self.count = valid.sum(dtype=torch.float64).clamp_min(1)
 
     def data(self, t: Tensor) -> Tensor:
         return t.to(self.dtype)
+
+    def select(self, t: Tensor) -> Tensor:
+        """``t`` (src-shaped) at the valid positions, 0 elsewhere (whatever ``t`` holds there)."""
+        return t if self.valid is None else torch.where(self.valid, t, 0)
 
     def bc(self, stats: Tensor) -> Tensor:
         """Per-channel values broadcast against src."""
@@ -45,7 +59,31 @@ def _backward_setup_context(ctx, inputs, output) -> None:
 
 
 def _backward_backward(ctx, grad_diff_src, grad_diff_gamma, grad_diff_beta):
-    """Gradients of (diff_src, diff_gamma, diff_beta) with respect to every input.
+    src, dy, mean, variance, gamma = ctx.saved_tensors
+    return backward_backward(
+        src, dy, mean, variance, gamma, (grad_diff_src, grad_diff_gamma, grad_diff_beta), epsilon=ctx.epsilon,
+        data_format=ctx.data_format, training=ctx.training, output_mask=ctx.output_mask,
+    ) + (None, None, None, None)
+
+
+def backward_backward(
+    src: Tensor,
+    dy: Tensor,
+    mean: Tensor,
+    variance: Tensor,
+    gamma: Optional[Tensor],
+    grads: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]],
+    *,
+    epsilon: float,
+    data_format: str,
+    training: bool,
+    output_mask: Sequence[bool],
+    valid: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Gradients of (diff_src, diff_gamma, diff_beta) with respect to (src, dy, mean, variance, gamma).
+
+    ``valid`` (masked batch norm, see _PerChannel): the sums run over the
+    valid positions only, and the gradients are 0 at the others.
 
     Per channel, with r = rstd, xc = x - mean and sums over the reduced
     positions (M of them), sb = sum(dy), sgc = sum(dy * xc), and upstream
@@ -56,18 +94,18 @@ def _backward_backward(ctx, grad_diff_src, grad_diff_gamma, grad_diff_beta):
     The expressions below are the partial derivatives of the loss
     sum(Gx * diff_src) + Gg * diff_gamma + Gb * diff_beta.
     """
-    src, dy, mean, variance, gamma = ctx.saved_tensors
-    mask = ctx.output_mask
-    pc = _PerChannel(src, mean, ctx.data_format)
-    x, d = pc.data(src), pc.data(dy)
-    r = (pc.data(variance) + ctx.epsilon).rsqrt()
+    grad_diff_src, grad_diff_gamma, grad_diff_beta = grads
+    mask = output_mask
+    pc = _PerChannel(src, mean, data_format, valid)
+    x, d = pc.data(src), pc.select(pc.data(dy))
+    r = (pc.data(variance) + epsilon).rsqrt()
     g = pc.data(gamma) if gamma is not None else torch.ones_like(r)
     zero = torch.zeros_like(r)
     gg = pc.data(grad_diff_gamma) if mask[1] and grad_diff_gamma is not None else zero
     gb = pc.data(grad_diff_beta) if mask[2] and grad_diff_beta is not None else zero
-    gx = pc.data(grad_diff_src) if mask[0] and grad_diff_src is not None else None
+    gx = pc.select(pc.data(grad_diff_src)) if mask[0] and grad_diff_src is not None else None
 
-    xc = x - pc.bc(pc.data(mean))
+    xc = pc.select(x - pc.bc(pc.data(mean)))
     sb = pc.sum(d)
     sgc = pc.sum(d * xc)
     if gx is not None:
@@ -75,7 +113,7 @@ def _backward_backward(ctx, grad_diff_src, grad_diff_gamma, grad_diff_beta):
     else:
         s_gx = s_gx_xc = s_gx_dy = zero
     m = pc.count
-    if ctx.training:
+    if training:
         a, b, dd = g * r, g * r / m, g * r**3 / m
         coef_xc = gg * r - dd * s_gx_xc
         grad_dy = pc.bc(coef_xc) * xc + pc.bc(gb - b * s_gx)
@@ -97,14 +135,10 @@ def _backward_backward(ctx, grad_diff_src, grad_diff_gamma, grad_diff_beta):
     grad_variance = -0.5 * r**3 * grad_r
     return (
         grad_x.to(src.dtype),
-        grad_dy.to(dy.dtype),
+        pc.select(grad_dy).to(dy.dtype),
         grad_mean.to(mean.dtype),
         grad_variance.to(variance.dtype),
         grad_g.to(gamma.dtype) if gamma is not None else None,
-        None,
-        None,
-        None,
-        None,
     )
 
 

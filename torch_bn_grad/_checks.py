@@ -63,3 +63,19 @@ def check_same_device(op: str, src: Tensor, **tensors: Optional[Tensor]) -> None
                 t.device == src.device,
                 lambda: f"{op}: {name} must be on src's device ({src.device}), got {t.device}",
             )
+
+
+def check_mask(op: str, src: Tensor, mask: object) -> None:
+    """A masked batch norm's mask: bool, of ``src``'s shape without the channel dim 1
+    (TypeError, ValueError naming the expected shape). Plain raises, which
+    torch.compile traces (the values checked are static or guarded)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{op}: mask must be a bool tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{op}: mask must have dtype torch.bool (True: a valid position), got {mask.dtype}")
+    if src.dim() < 2:
+        raise ValueError(f"{op}: input must have rank 2 or more (N, C, *), got shape {tuple(src.shape)}")
+    expected = (src.shape[0], *src.shape[2:])
+    if tuple(mask.shape) != expected:
+        raise ValueError(f"{op}: mask must have shape {tuple(expected)} (input's shape {tuple(src.shape)} without "
+                         f"the channel dim 1), got {tuple(mask.shape)}")

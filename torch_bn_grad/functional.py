@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad._checks import check_activation
+from torch_bn_grad._masked import masked_batch_norm, masked_batch_norm_act
 from torch_bn_grad._running_stats import update_running_stats
 
 __all__ = ["batch_norm", "batch_norm_act"]
@@ -22,6 +23,8 @@ def batch_norm(
     training: bool = False,
     momentum: Union[float, Tensor] = 0.1,
     eps: float = 1e-5,
+    *,
+    mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Batch normalization over the channel axis 1 of ``input`` (N, C, *).
 
@@ -31,7 +34,16 @@ def batch_norm(
     (``running_var`` with the unbiased variance; no update on an empty batch);
     otherwise the running statistics normalize ``input``. ``momentum`` may also
     be a 0-dim tensor (the modules' cumulative average, ``momentum=None``).
+
+    ``mask`` (padded batches): bool of ``input``'s shape without dim 1, ``(N, *)``
+    (``(N,)`` for 2-D input), True at valid positions. The statistics (and the
+    running statistics' update, with the valid count) then cover the valid
+    positions only; padded positions output 0 and get gradient 0, whatever
+    they hold; a batch without valid positions outputs zeros and leaves the
+    running statistics untouched.
     """
+    if mask is not None:
+        return masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
     if input.dim() == 1:
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
@@ -110,8 +122,13 @@ def batch_norm_act(
     activation: str = "relu",
     negative_slope: float = 0.01,
     memory_saving: bool = False,
+    mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused ``act(batch_norm(input, ...) + residual)``, one pass over the data each way.
+
+    ``mask`` as in :func:`batch_norm`: padded positions output 0 whatever
+    ``residual`` holds there (the masked form is composed, not fused, and
+    ignores ``memory_saving``).
 
     The batch-norm arguments and the running-statistics update are exactly
     :func:`batch_norm`'s. ``activation``: ``"identity"``, ``"relu"``,
@@ -123,6 +140,10 @@ def batch_norm_act(
     ``ValueError``), ``weight`` must have no zeros (not checked), and double
     backward is then not available.
     """
+    if mask is not None:
+        slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
+        return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
+                                     residual=residual, activation=activation, negative_slope=slope)
     slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
     op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
     if input.dim() == 1:  # only an empty input is valid: an empty output

@@ -11,6 +11,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, functional
 from torch_bn_grad.distributed import sync_batch_norm
+from torch_bn_grad._checks import check_mask
+from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
+from torch_bn_grad._masked_distributed import sync_masked_batch_norm
 
 __all__ = [
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
@@ -39,13 +42,20 @@ class FusedForward:
         parameters = self._parameters
         return parameters.get("weight"), parameters.get("bias")
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """``mask`` (padded batches, see :func:`torch_bn_grad.functional.batch_norm`): bool
+        of ``input``'s shape without dim 1, True at valid positions."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant: TorchScript compiles this branch only
+            if mask is not None:
+                raise RuntimeError(f"{type(self).__name__}: a mask is not supported in TorchScript")
             return _script.module_forward(
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
             )
+        if mask is not None:  # no torch forward for graph tools: torch has no masked batch norm
+            check_mask(type(self).__name__, input, mask)  # before num_batches_tracked counts the batch
+            return self._normalize_masked(input, mask, self._statistics())
         if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
         return self._normalize(input, self._statistics())
@@ -84,6 +94,12 @@ class FusedForward:
         running_mean, running_var, use_batch_stats, momentum = stats
         return functional.batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
                                      self.eps)
+
+    def _normalize_masked(self, input: Tensor, mask: Tensor, stats: Statistics) -> Tensor:
+        """The masked batch norm, once the module has chosen its statistics."""
+        running_mean, running_var, use_batch_stats, momentum = stats
+        return masked_batch_norm(input, mask, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
+                                 self.eps, op=type(self).__name__)
 
 
 class BatchNorm1d(FusedForward, torch.nn.BatchNorm1d):
@@ -143,6 +159,14 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
         running_mean, running_var, _, momentum = stats
         return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
 
+    def _normalize_masked(self, input: Tensor, mask: Tensor, stats: Statistics) -> Tensor:
+        group = self._sync_group() if self.training else None
+        if group is None:
+            return super()._normalize_masked(input, mask, stats)
+        running_mean, running_var, _, momentum = stats
+        return sync_masked_batch_norm(input, mask, running_mean, running_var, *self._affine(), momentum, self.eps,
+                                      group)
+
     def _sync_group(self) -> Optional[dist.ProcessGroup]:
         """The process group to synchronize over, or None to run locally."""
         if not (dist.is_available() and dist.is_initialized()):
@@ -184,14 +208,24 @@ class ActForward(FusedForward):
         self.negative_slope = float(negative_slope)
         self.memory_saving = bool(memory_saving)
 
-    def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, input: Tensor, residual: Optional[Tensor] = None, mask: Optional[Tensor] = None
+    ) -> Tensor:
+        """``mask`` as in :meth:`BatchNorm1d.forward`: padded positions output 0, whatever
+        ``residual`` holds there (the masked form is composed, not fused)."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant, as in FusedForward.forward
+            if mask is not None:
+                raise RuntimeError(f"{type(self).__name__}: a mask is not supported in TorchScript")
             y = _script.module_forward(
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
             )
             return self._add_activate(y, residual)
+        if mask is not None:
+            check_mask(type(self).__name__, input, mask)
+            y = self._normalize_masked(input, mask, self._statistics())
+            return masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
         if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
             return self._add_activate(_BatchNorm.forward(self, input), residual)
         return self._normalize_act(input, residual, self._statistics())

@@ -1,0 +1,190 @@
+// CPU masked operators (batch_norm_masked_forward / _backward): check, lay
+// the data out (masked_layout.h), find the valid positions once, then the
+// masked kernels (cpu/kernels/masked_kernels.cpp) with the per-channel
+// formulas of batch_norm_math.h in float64.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "batch_norm_args.h"
+#include "batch_norm_math.h"
+#include "cpu/kernels/kernel_table.h"
+#include "cpu/kernels/masked_kernel_table.h"
+#include "masked_layout.h"
+
+namespace torch_bn_grad::cpu {
+
+const MaskedKernelTable& masked_kernel_table() {
+  static const MaskedKernelTable& table = []() -> const MaskedKernelTable& {
+#if defined(__x86_64__) || defined(_M_X64)
+    const std::string isa = kernel_table().isa;  // the same copy as the plain kernels'
+    if (isa == "AVX512") return masked_kernel_table_AVX512();
+    if (isa == "AVX2") return masked_kernel_table_AVX2();
+#endif
+    return masked_kernel_table_DEFAULT();
+  }();
+  return table;
+}
+
+namespace {
+
+// The valid positions of a mask laid out as `layout` reads it: their count
+// per channel, the first one, and (planes form) the runs along each plane.
+struct ValidPositions {
+  at::Tensor mask;  // contiguous bool, [outer, inner]
+  std::vector<int64_t> run_offsets;
+  std::vector<int64_t> runs;
+  int64_t count = 0;
+  int64_t first_outer = 0;
+  int64_t first_inner = 0;
+
+  MaskedView view(const MaskedLayout& layout) const {
+    return {layout.extent,  mask.const_data_ptr<bool>(), run_offsets.data(), runs.data(), layout.rows, count,
+            first_outer, first_inner};
+  }
+};
+
+ValidPositions valid_positions(const at::Tensor& mask, const MaskedLayout& layout) {
+  ValidPositions p;
+  p.mask = mask.contiguous();
+  const bool* m = p.mask.const_data_ptr<bool>();
+  const Extent& e = layout.extent;
+  bool found = false;
+  if (layout.rows) {
+    for (int64_t o = 0; o < e.outer; ++o) {
+      if (!m[o]) continue;
+      if (!found) p.first_outer = o;
+      found = true;
+      ++p.count;
+    }
+    return p;
+  }
+  p.run_offsets.reserve(e.outer + 1);
+  p.run_offsets.push_back(0);
+  for (int64_t o = 0; o < e.outer; ++o) {
+    const bool* row = m + o * e.inner;
+    for (int64_t i = 0; i < e.inner;) {
+      if (!row[i]) {
+        ++i;
+        continue;
+      }
+      const int64_t begin = i;
+      while (i < e.inner && row[i]) ++i;
+      p.runs.push_back(begin);
+      p.runs.push_back(i);
+      p.count += i - begin;
+      if (!found) {
+        p.first_outer = o;
+        p.first_inner = begin;
+        found = true;
+      }
+    }
+    p.run_offsets.push_back(static_cast<int64_t>(p.runs.size() / 2));
+  }
+  return p;
+}
+
+// A 1-D per-channel tensor as float64 values (`fill` when absent).
+std::vector<double> channel_values(const std::optional<at::Tensor>& t, int64_t channels, double fill) {
+  if (!t.has_value()) return std::vector<double>(channels, fill);
+  const at::Tensor d = t->to(at::kDouble).contiguous();
+  return std::vector<double>(d.const_data_ptr<double>(), d.const_data_ptr<double>() + channels);
+}
+
+// float64 values as a 1-D tensor of `dtype`, rounded once.
+at::Tensor channel_tensor(const std::vector<double>& v, at::ScalarType dtype) {
+  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kDouble));
+  std::copy(v.begin(), v.end(), t.mutable_data_ptr<double>());
+  return t.to(dtype);
+}
+
+at::Tensor count_tensor(int64_t count) { return at::scalar_tensor(static_cast<double>(count), at::kDouble); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_cpu(
+    const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
+    const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& variance, double epsilon) {
+  check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
+  const int64_t C = src.size(1);
+  const MaskedLayout layout = masked_layout(src);
+  const ValidPositions valid = valid_positions(mask, layout);
+  const MaskedView v = valid.view(layout);
+  const bool frozen = mean.has_value();
+  const auto stats_dtype = frozen ? mean->scalar_type() : accumulate_type(src.scalar_type());
+
+  std::vector<double> mean_d(C, 0.0), var_d(C, 0.0);
+  if (frozen) {
+    mean_d = channel_values(mean, C, 0.0);
+    var_d = channel_values(variance, C, 0.0);
+  } else if (valid.count > 0) {
+    masked_kernel_table().moments(layout.data, v, mean_d.data(), var_d.data());
+  }
+  at::Tensor dst = masked_output(src, layout);
+  if (src.numel() > 0) {
+    const std::vector<double> gamma_d = channel_values(gamma, C, 1.0), beta_d = channel_values(beta, C, 0.0);
+    std::vector<double> scale(C), shift(C);
+    for (int64_t c = 0; c < C; ++c) {
+      const auto f = math::forward_coefficients(var_d[c], gamma_d[c], beta_d[c], epsilon);
+      scale[c] = f.scale;
+      shift[c] = f.shift;
+    }
+    masked_kernel_table().affine(layout.data, at::Tensor(), dst, v, mean_d.data(), nullptr, scale.data(),
+                                 shift.data());
+  }
+  if (frozen) return {dst, mean->clone(), variance->clone(), count_tensor(valid.count)};
+  return {dst, channel_tensor(mean_d, stats_dtype), channel_tensor(var_d, stats_dtype), count_tensor(valid.count)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
+    const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
+    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
+    std::array<bool, 3> output_mask) {
+  check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
+  const int64_t C = src.size(1);
+  const MaskedLayout layout = masked_layout(src);
+  const ValidPositions valid = valid_positions(mask, layout);
+  const MaskedView v = valid.view(layout);
+  const at::Tensor dy = to_masked_layout(diff_dst, layout);
+  const std::vector<double> mean_d = channel_values(mean, C, 0.0), var_d = channel_values(variance, C, 0.0),
+                            gamma_d = channel_values(gamma, C, 1.0);
+
+  std::vector<double> sum_dy(C, 0.0), sum_dy_xc(C, 0.0);
+  const bool needs_sums = output_mask[1] || output_mask[2] || (training && output_mask[0]);
+  if (needs_sums && valid.count > 0) {
+    masked_kernel_table().grad_sums(layout.data, dy, v, mean_d.data(), sum_dy.data(), sum_dy_xc.data());
+  }
+  std::vector<double> rstd(C), dy_scale(C), x_scale(C), bias(C), diff_gamma(C), diff_beta(C);
+  for (int64_t c = 0; c < C; ++c) {
+    rstd[c] = math::rstd_of(var_d[c], epsilon);
+    const math::GradSums<double> sums{sum_dy[c], sum_dy_xc[c]};
+    const auto k = math::backward_coefficients(rstd[c], gamma_d[c], sums, static_cast<double>(valid.count), training);
+    dy_scale[c] = k.dy_scale;
+    x_scale[c] = k.x_scale;
+    bias[c] = k.bias;
+    const auto p = math::parameter_grads(rstd[c], sums);
+    diff_gamma[c] = p.diff_gamma;
+    diff_beta[c] = p.diff_beta;
+  }
+  at::Tensor diff_src = at::empty({0}, src.options());
+  if (output_mask[0]) {
+    diff_src = masked_output(src, layout);
+    if (src.numel() > 0) {
+      masked_kernel_table().affine(layout.data, dy, diff_src, v, mean_d.data(), dy_scale.data(), x_scale.data(),
+                                   bias.data());
+    }
+  }
+  const auto stats_dtype = mean.scalar_type();
+  return {diff_src, output_mask[1] ? channel_tensor(diff_gamma, stats_dtype) : at::empty({0}, mean.options()),
+          output_mask[2] ? channel_tensor(diff_beta, stats_dtype) : at::empty({0}, mean.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
+  m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_cpu);
+  m.impl("batch_norm_masked_backward", &batch_norm_masked_backward_cpu);
+}
+
+}  // namespace torch_bn_grad::cpu

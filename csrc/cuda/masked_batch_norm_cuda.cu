@@ -1,0 +1,264 @@
+// CUDA masked operators (batch_norm_masked_forward / _backward): the data in
+// masked_layout.h's form, element (o, c, i) at (o * C + c) * inner + i, its
+// mask at o * inner + i.
+//
+// Simple and exact rather than tuned: one block per channel reduces that
+// channel's valid positions in float64 with compensated sums (compensated.h),
+// the statistics in two passes (the mean, then the squares about it); its
+// first thread derives the channel's coefficients (batch_norm_math.h); an
+// elementwise kernel then writes every position, 0 where padded. Padded
+// positions are never read. The valid count stays on the device.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "batch_norm_args.h"
+#include "batch_norm_math.h"
+#include "compensated.h"
+#include "masked_layout.h"
+
+namespace torch_bn_grad::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct Shape {
+  int64_t outer, channels, inner;
+};
+
+// The block's sum of each thread's compensated sum (thread 0 gets the total);
+// the order is fixed, so the result depends on the data alone.
+__device__ double block_total(math::ExactSum<double> s, math::ExactSum<double>* shared) {
+  shared[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) shared[threadIdx.x] = math::merge(shared[threadIdx.x], shared[threadIdx.x + half]);
+    __syncthreads();
+  }
+  const double total = math::value_of(shared[0]);
+  __syncthreads();
+  return total;
+}
+
+__device__ int64_t block_count(int64_t n, int64_t* shared) {
+  shared[threadIdx.x] = n;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+    __syncthreads();
+  }
+  const int64_t total = shared[0];
+  __syncthreads();
+  return total;
+}
+
+// Channel c = blockIdx.x's coefficients for the forward: the batch statistics
+// (mean, var null: written to batch_mean, batch_var) or the given ones.
+// Block 0 also writes the valid count.
+template <typename T>
+__global__ void forward_coefficients_kernel(const T* __restrict__ x, const bool* __restrict__ mask, Shape s,
+                                            const double* gamma, const double* beta, const double* mean,
+                                            const double* var, double epsilon, double* batch_mean,
+                                            double* batch_var, double* count_out,
+                                            math::ChannelAffine<at::opmath_type<T>>* affine) {
+  __shared__ math::ExactSum<double> sums[kThreads];
+  __shared__ int64_t counts[kThreads];
+  const int64_t c = blockIdx.x, positions = s.outer * s.inner;
+  int64_t n = 0;
+  math::ExactSum<double> sum{0.0, 0.0};
+  for (int64_t p = threadIdx.x; p < positions; p += kThreads) {
+    if (!mask[p]) continue;
+    ++n;
+    if (mean == nullptr) math::add_exact(sum, static_cast<double>(x[((p / s.inner) * s.channels + c) * s.inner + p % s.inner]));
+  }
+  const int64_t count = block_count(n, counts);
+  double m = 0.0, v = 0.0;
+  if (mean != nullptr) {
+    m = mean[c];
+    v = var[c];
+  } else if (count > 0) {
+    m = block_total(sum, sums) / static_cast<double>(count);
+    math::ExactSum<double> squares{0.0, 0.0};
+    for (int64_t p = threadIdx.x; p < positions; p += kThreads) {
+      if (!mask[p]) continue;
+      const double d = static_cast<double>(x[((p / s.inner) * s.channels + c) * s.inner + p % s.inner]) - m;
+      math::add_exact(squares, d * d);
+    }
+    v = block_total(squares, sums) / static_cast<double>(count);
+  }
+  if (threadIdx.x != 0) return;
+  if (mean == nullptr) {
+    batch_mean[c] = m;
+    batch_var[c] = v;
+  }
+  if (c == 0) *count_out = static_cast<double>(count);
+  affine[c] = math::channel_affine<at::opmath_type<T>>(m, math::forward_coefficients(v, gamma[c], beta[c], epsilon));
+}
+
+// Channel c's gradient sums, parameter gradients and backward coefficients.
+template <typename T>
+__global__ void backward_coefficients_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                             const bool* __restrict__ mask, Shape s, const double* mean,
+                                             const double* var, const double* gamma, double epsilon, bool training,
+                                             double* diff_gamma, double* diff_beta,
+                                             math::ChannelAffine<at::opmath_type<T>>* affine) {
+  __shared__ math::ExactSum<double> sums[kThreads];
+  __shared__ int64_t counts[kThreads];
+  const int64_t c = blockIdx.x, positions = s.outer * s.inner;
+  const double m = mean[c];
+  int64_t n = 0;
+  math::ExactSum<double> sum_dy{0.0, 0.0}, sum_dy_xc{0.0, 0.0};
+  for (int64_t p = threadIdx.x; p < positions; p += kThreads) {
+    if (!mask[p]) continue;
+    ++n;
+    const int64_t at = ((p / s.inner) * s.channels + c) * s.inner + p % s.inner;
+    math::add_grad(sum_dy, sum_dy_xc, static_cast<double>(x[at]), static_cast<double>(dy[at]), m);
+  }
+  const int64_t count = block_count(n, counts);
+  const math::GradSums<double> g{block_total(sum_dy, sums), block_total(sum_dy_xc, sums)};
+  if (threadIdx.x != 0) return;
+  const double rstd = math::rstd_of(var[c], epsilon);
+  const auto p = math::parameter_grads(rstd, g);
+  diff_gamma[c] = p.diff_gamma;
+  diff_beta[c] = p.diff_beta;
+  affine[c] = math::channel_affine<at::opmath_type<T>>(
+      m, math::backward_coefficients(rstd, gamma[c], g, static_cast<double>(count), training));
+}
+
+// out = dy_scale * dy + x_scale * (x - mean) + bias at valid positions (no dy:
+// without its term), 0 at padded ones.
+template <typename T>
+__global__ void affine_kernel(const T* __restrict__ x, const T* __restrict__ dy, const bool* __restrict__ mask,
+                              Shape s, const math::ChannelAffine<at::opmath_type<T>>* affine, T* __restrict__ out) {
+  using A = at::opmath_type<T>;
+  const int64_t total = s.outer * s.channels * s.inner;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t o = e / (s.channels * s.inner), i = e % s.inner, c = (e / s.inner) % s.channels;
+    if (!mask[o * s.inner + i]) {
+      out[e] = T(0);
+      continue;
+    }
+    const math::ChannelAffine<A> a = affine[c];
+    A r = ::fma(static_cast<A>(x[e]) - a.mean, a.x_scale, a.bias);
+    if (dy != nullptr) r = ::fma(static_cast<A>(dy[e]), a.dy_scale, r);
+    out[e] = static_cast<T>(r);
+  }
+}
+
+// Blocks of the elementwise kernel's grid-stride loop: enough to fill any current GPU.
+int affine_blocks(int64_t total) {
+  constexpr int64_t kMostBlocks = 8192;
+  const int64_t wanted = (total + kThreads - 1) / kThreads;
+  return static_cast<int>(wanted < 1 ? 1 : (wanted > kMostBlocks ? kMostBlocks : wanted));
+}
+
+at::Tensor doubles(const std::optional<at::Tensor>& t, int64_t channels, double fill, const at::Tensor& like) {
+  if (!t.has_value()) return at::full({channels}, fill, like.options().dtype(at::kDouble));
+  return t->to(at::kDouble).contiguous();
+}
+
+// The per-channel coefficients of the elementwise pass: `A` values, four a channel.
+at::Tensor affine_buffer(const at::Tensor& src, int64_t channels) {
+  return at::empty({channels * 4}, src.options().dtype(at::toOpMathType(src.scalar_type())));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_cuda(
+    const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
+    const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& variance, double epsilon) {
+  check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const int64_t C = src.size(1);
+  const MaskedLayout layout = masked_layout(src);
+  const at::Tensor valid = mask.contiguous();
+  const bool frozen = mean.has_value();
+  const at::Tensor gamma_d = doubles(gamma, C, 1.0, src), beta_d = doubles(beta, C, 0.0, src);
+  const at::Tensor mean_d = frozen ? doubles(mean, C, 0.0, src) : at::zeros({C}, src.options().dtype(at::kDouble));
+  const at::Tensor var_d = frozen ? doubles(variance, C, 0.0, src) : at::zeros({C}, src.options().dtype(at::kDouble));
+  const at::Tensor count = at::zeros({}, src.options().dtype(at::kDouble));
+  at::Tensor dst = masked_output(src, layout);
+  const Shape s{layout.extent.outer, layout.extent.channels, layout.extent.inner};
+  if (C > 0) {
+    const at::Tensor affine = affine_buffer(src, C);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_masked_forward_cuda", [&] {
+      using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
+      auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
+      const scalar_t* x = layout.data.const_data_ptr<scalar_t>();
+      forward_coefficients_kernel<scalar_t><<<C, kThreads, 0, stream>>>(
+          x, valid.const_data_ptr<bool>(), s, gamma_d.const_data_ptr<double>(), beta_d.const_data_ptr<double>(),
+          frozen ? mean_d.const_data_ptr<double>() : nullptr, frozen ? var_d.const_data_ptr<double>() : nullptr,
+          epsilon, mean_d.mutable_data_ptr<double>(), var_d.mutable_data_ptr<double>(),
+          count.mutable_data_ptr<double>(), a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (dst.numel() > 0) {
+        affine_kernel<scalar_t><<<affine_blocks(dst.numel()), kThreads, 0, stream>>>(
+            x, nullptr, valid.const_data_ptr<bool>(), s, a, dst.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+  if (frozen) return {dst, mean->clone(), variance->clone(), count};
+  const auto stats_dtype = accumulate_type(src.scalar_type());
+  return {dst, mean_d.to(stats_dtype), var_d.to(stats_dtype), count};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cuda(
+    const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
+    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
+    std::array<bool, 3> output_mask) {
+  check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const int64_t C = src.size(1);
+  const MaskedLayout layout = masked_layout(src);
+  const at::Tensor valid = mask.contiguous();
+  const at::Tensor dy = to_masked_layout(diff_dst, layout);
+  const at::Tensor mean_d = doubles(mean, C, 0.0, src), var_d = doubles(variance, C, 0.0, src),
+                   gamma_d = doubles(gamma, C, 1.0, src);
+  const at::Tensor diff_gamma = at::zeros({C}, src.options().dtype(at::kDouble));
+  const at::Tensor diff_beta = at::zeros({C}, src.options().dtype(at::kDouble));
+  at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::empty({0}, src.options());
+  const Shape s{layout.extent.outer, layout.extent.channels, layout.extent.inner};
+  if (C > 0) {
+    const at::Tensor affine = affine_buffer(src, C);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_masked_backward_cuda", [&] {
+      using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
+      auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
+      const scalar_t* x = layout.data.const_data_ptr<scalar_t>();
+      const scalar_t* g = dy.const_data_ptr<scalar_t>();
+      backward_coefficients_kernel<scalar_t><<<C, kThreads, 0, stream>>>(
+          x, g, valid.const_data_ptr<bool>(), s, mean_d.const_data_ptr<double>(), var_d.const_data_ptr<double>(),
+          gamma_d.const_data_ptr<double>(), epsilon, training, diff_gamma.mutable_data_ptr<double>(),
+          diff_beta.mutable_data_ptr<double>(), a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (output_mask[0] && diff_src.numel() > 0) {
+        affine_kernel<scalar_t><<<affine_blocks(diff_src.numel()), kThreads, 0, stream>>>(
+            x, g, valid.const_data_ptr<bool>(), s, a, diff_src.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+  const auto stats_dtype = mean.scalar_type();
+  return {diff_src, output_mask[1] ? diff_gamma.to(stats_dtype) : at::empty({0}, mean.options()),
+          output_mask[2] ? diff_beta.to(stats_dtype) : at::empty({0}, mean.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
+  m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_cuda);
+  m.impl("batch_norm_masked_backward", &batch_norm_masked_backward_cuda);
+}
+
+}  // namespace torch_bn_grad::cuda

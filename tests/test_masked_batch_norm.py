@@ -1,0 +1,286 @@
+"""Masked batch norm (padded batches): equal to gather -> float64 batch norm ->
+scatter, whatever the padding holds or how long it is, for every dtype and
+layout, in the functional form, the modules and the operators."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torch_bn_grad
+from torch_bn_grad import functional as F
+from masked_reference import gathered_forward, lengths_mask, padded_batch
+from reference import DTYPES, TOLERANCES, stats_dtype
+
+FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
+BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default
+
+# (shape, layout): NCX-contiguous planes, channels-last rows (an (N, L, C) tensor
+# transposed, channels_last and channels_last_3d), and 4-D / 5-D planes.
+LAYOUTS = [
+    ((4, 6, 37), "contiguous"),
+    ((4, 6, 37), "transposed"),
+    ((3, 5, 9, 4), "contiguous"),
+    ((3, 5, 9, 4), "channels_last"),
+    ((2, 4, 5, 3, 6), "contiguous"),
+    ((2, 4, 5, 3, 6), "channels_last_3d"),
+    ((3, 40, 70), "contiguous"),  # rows long enough for the vector loops and partial chunks
+    ((3, 40, 70), "transposed"),
+]
+
+
+def laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "transposed":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "channels_last_3d":
+        return x.contiguous(memory_format=torch.channels_last_3d)
+    return x.contiguous()
+
+
+def parameters(channels: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.rand(channels, generator=g, dtype=torch.float64) + 0.5).to(stats_dtype(dtype))
+    bias = torch.randn(channels, generator=g, dtype=torch.float64).to(stats_dtype(dtype))
+    return weight, bias
+
+
+def run_masked(x, mask, weight, bias, dy, eps=1e-5):
+    """dst, mean, variance, count, and the gradients of sum(dst * dy)."""
+    x = x.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    b = bias.detach().requires_grad_()
+    dst, mean, var, count = FORWARD(x, mask, w, b, None, None, eps)
+    dst.backward(dy)
+    return dst, mean, var, count, x.grad, w.grad, b.grad
+
+
+def run_reference(x, mask, weight, bias, dy, eps=1e-5):
+    x = x.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    b = bias.detach().double().requires_grad_()
+    dst, mean, var, count = gathered_forward(x, mask, w, b, eps)
+    dst.backward(dy.double())
+    return dst, mean, var, count, x.grad, w.grad, b.grad
+
+
+def close(actual, expected, dtype, scale=1.0):
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,layout", LAYOUTS)
+@pytest.mark.parametrize("random_mask", [False, True])
+def test_matches_gathered_float64_batch_norm(dtype, shape, layout, random_mask):
+    x, mask = padded_batch(shape, dtype, seed=1, offset=3.0, random_mask=random_mask)
+    x = laid_out(x, layout)
+    weight, bias = parameters(shape[1], dtype)
+    dy = laid_out(torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype), layout)
+    ours = run_masked(x, mask, weight, bias, dy)
+    ref = run_reference(x, mask, weight, bias, dy)
+    dst, mean, var, count, dx, dw, db = ours
+    close(dst, ref[0], dtype)
+    assert dst.stride() == x.stride() or layout == "contiguous"
+    assert dst.dtype == dtype and mean.dtype == stats_dtype(dtype)
+    close(mean, ref[1], dtype)
+    close(var, ref[2], dtype)
+    assert count.dtype == torch.float64 and count.item() == ref[3]
+    scale = math.sqrt(ref[3])  # the sums of count terms
+    close(dx, ref[4], dtype, 4.0)
+    close(dw, ref[5], dtype, scale)
+    close(db, ref[6], dtype, scale)
+    padded = ~mask.unsqueeze(1).expand_as(x)
+    assert (dst[padded] == 0).all() and (dx[padded] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_dim_input_with_a_mask_per_sample(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 9, generator=g).to(dtype)
+    mask = torch.rand(37, generator=g) < 0.7
+    weight, bias = parameters(9, dtype)
+    dy = torch.randn(37, 9, generator=g).to(dtype)
+    ours, ref = run_masked(x, mask, weight, bias, dy), run_reference(x, mask, weight, bias, dy)
+    for a, e, scale in zip(ours[:3] + ours[4:], ref[:3] + ref[4:], (1, 1, 1, 4, 6, 6)):
+        close(a, e, dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,layout", [((4, 6, 37), "contiguous"), ((4, 6, 37), "transposed"),
+                                          ((3, 5, 9, 4), "channels_last"), ((5, 7), "contiguous")])
+@pytest.mark.parametrize("pad_value", [float("nan"), float("inf"), -float("inf"), 1e30])
+def test_padding_content_changes_nothing(dtype, shape, layout, pad_value):
+    """NaN, inf or 1e30 in the padding (of the input and of the upstream gradient) give
+    bitwise the results of zeros there: outputs, gradients, running statistics."""
+    if len(shape) == 2:
+        g = torch.Generator().manual_seed(4)
+        x0 = torch.randn(shape, generator=g).to(dtype)
+        mask = torch.rand(shape[0], generator=g) < 0.6
+    else:
+        x0, mask = padded_batch(shape, dtype, seed=4)
+    valid = mask.unsqueeze(1).expand(shape)
+    x0 = laid_out(x0, layout)
+    dy0 = laid_out(torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype), layout)
+    results = []
+    for value in (0.0, pad_value):
+        x = laid_out(torch.where(valid, x0, value), layout)
+        dy = laid_out(torch.where(valid, dy0, value), layout)
+        m = torch_bn_grad.nn.BatchNorm1d(shape[1]) if len(shape) <= 3 else torch_bn_grad.nn.BatchNorm2d(shape[1])
+        m = m.to(stats_dtype(dtype))
+        xr = x.detach().requires_grad_()
+        out = m(xr, mask)
+        out.backward(dy)
+        results.append((out, xr.grad, m.weight.grad, m.bias.grad, m.running_mean, m.running_var))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_padding_length_changes_nothing():
+    """The same sequences padded to 30 or to 64 frames: the same results (within rounding)."""
+    g = torch.Generator().manual_seed(6)
+    lengths = [30, 11, 23, 17]
+    x30 = torch.randn(4, 8, 30, generator=g)
+    dy30 = torch.randn(4, 8, 30, generator=g)
+    mask30 = lengths_mask(lengths, 30)
+    x64 = torch.nn.functional.pad(x30, (0, 34), value=5.0)
+    dy64 = torch.nn.functional.pad(dy30, (0, 34), value=-7.0)
+    mask64 = lengths_mask(lengths, 64)
+    outs = []
+    for x, dy, mask in ((x30, dy30, mask30), (x64, dy64, mask64)):
+        m = torch_bn_grad.nn.BatchNorm1d(8)
+        xr = x.clone().requires_grad_()
+        out = m(xr, mask)
+        out.backward(dy)
+        outs.append((out[..., :30], xr.grad[..., :30], m.weight.grad, m.bias.grad, m.running_mean, m.running_var))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_without_valid_positions(dtype):
+    """Zeros out, zero gradients, running statistics untouched, nothing raised."""
+    x = torch.randn(3, 4, 10).to(dtype)
+    x[0, 0, 0] = float("nan")
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    m = torch_bn_grad.nn.BatchNorm1d(4).to(stats_dtype(dtype))
+    with torch.no_grad():
+        m.running_mean.fill_(0.25)
+        m.running_var.fill_(2.0)
+    xr = x.clone().requires_grad_()
+    out = m(xr, mask)
+    out.backward(torch.randn_like(out))
+    assert (out == 0).all() and (xr.grad == 0).all()
+    assert (m.weight.grad == 0).all() and (m.bias.grad == 0).all()
+    assert (m.running_mean == 0.25).all() and (m.running_var == 2.0).all()
+    assert m.num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_statistics_match_torch_on_the_gathered_batch(dtype, momentum):
+    """Module training steps: running statistics as torch's BatchNorm1d on the valid
+    positions alone (unbiased variance of the valid count), then eval outputs."""
+    ours = torch_bn_grad.nn.BatchNorm1d(6, momentum=momentum).to(stats_dtype(dtype))
+    ref = torch.nn.BatchNorm1d(6, momentum=momentum).double()
+    for step in range(3):
+        x, mask = padded_batch((5, 6, 33), dtype, seed=10 + step, offset=2.0)
+        ours(x, mask)
+        ref(x.double().movedim(1, -1)[mask])  # (valid, C)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype != torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ours.running_mean.double(), ref.running_mean, **tol)
+    torch.testing.assert_close(ours.running_var.double(), ref.running_var, **tol)
+    assert ours.num_batches_tracked.item() == 3
+    ours.eval()
+    ref.eval()
+    x, mask = padded_batch((5, 6, 33), dtype, seed=20, pad_value=float("nan"))
+    out = ours(x, mask)
+    expected = torch.zeros(x.shape, dtype=torch.float64).movedim(1, -1)
+    expected[mask] = ref(x.double().movedim(1, -1)[mask])
+    close(out, expected.movedim(-1, 1), dtype, 2.0)
+
+
+@pytest.mark.parametrize("module", [torch_bn_grad.nn.BatchNorm1d, torch_bn_grad.nn.BatchNorm2d,
+                                    torch_bn_grad.nn.BatchNorm3d, torch_bn_grad.nn.SyncBatchNorm])
+def test_modules_take_a_mask(module):
+    rank = {torch_bn_grad.nn.BatchNorm2d: 4, torch_bn_grad.nn.BatchNorm3d: 5}.get(module, 3)
+    shape = (3, 4, 12, 3, 2)[:rank]
+    x, mask = padded_batch(shape, torch.float32, seed=7)
+    m = module(4)
+    out = m(x, mask)
+    expected = gathered_forward(x, mask, m.weight, m.bias, m.eps)[0]
+    torch.testing.assert_close(out.double(), expected.detach(), atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "silu", "identity"])
+def test_fused_modules_give_zero_at_padding_whatever_the_residual(activation):
+    x, mask = padded_batch((3, 4, 20), torch.float32, seed=8)
+    residual = torch.randn(3, 4, 20)
+    residual_nan = torch.where(mask.unsqueeze(1), residual, float("nan"))
+    m = torch_bn_grad.nn.BatchNormAct1d(4, activation=activation)
+    xr = x.clone().requires_grad_()
+    rr = residual_nan.clone().requires_grad_()
+    out = m(xr, rr, mask=mask)
+    out.backward(torch.randn_like(out))
+    bn = gathered_forward(x, mask, m.weight, m.bias, m.eps)[0].float()
+    expected = torch_bn_grad._activation.activate(bn + residual, activation, m.negative_slope)
+    expected = torch.where(mask.unsqueeze(1), expected, 0)
+    torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
+    padded = ~mask.unsqueeze(1).expand_as(x)
+    assert (out[padded] == 0).all() and (xr.grad[padded] == 0).all() and (rr.grad[padded] == 0).all()
+    assert torch.isfinite(m.weight.grad).all()
+    torch.testing.assert_close(
+        torch_bn_grad.functional.batch_norm_act(x, None, None, m.weight, m.bias, True, residual=residual_nan,
+                                                activation=activation, mask=mask),
+        out.detach())
+
+
+def test_functional_matches_the_module():
+    x, mask = padded_batch((4, 5, 16), torch.float32, seed=9)
+    m = torch_bn_grad.nn.BatchNorm1d(5)
+    rm, rv = torch.zeros(5), torch.ones(5)
+    out = F.batch_norm(x, rm, rv, m.weight, m.bias, training=True, mask=mask)
+    assert torch.equal(out, m(x, mask))
+    assert torch.equal(rm, m.running_mean) and torch.equal(rv, m.running_var)
+    m.eval()
+    assert torch.equal(F.batch_norm(x, rm, rv, m.weight, m.bias, mask=mask), m(x, mask))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    x, mask = padded_batch((8, 16, 300), torch.float32, seed=11, random_mask=True)
+    xt = x.transpose(1, 2).contiguous().transpose(1, 2)
+    dy = torch.randn(x.shape)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append([t for layout in (x, xt) for t in run_masked(layout, mask, *parameters(16, torch.float32),
+                                                                           dy)])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_errors_name_the_argument_and_change_nothing():
+    x = torch.randn(2, 3, 5)
+    m = torch_bn_grad.nn.BatchNorm1d(3)
+    before = (m.running_mean.clone(), m.running_var.clone())
+    with pytest.raises(TypeError, match="mask must have dtype torch.bool"):
+        m(x, torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"mask must have shape \(2, 5\)"):
+        m(x, torch.ones(2, 3, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        F.batch_norm(x, None, None, training=True, mask=[True, False])
+    assert torch.equal(m.running_mean, before[0]) and torch.equal(m.running_var, before[1])
+    assert m.num_batches_tracked.item() == 0
+    # The operators check the same, before writing anything.
+    with pytest.raises(TypeError, match="batch_norm_masked_forward: mask must have dtype torch.bool"):
+        FORWARD(x, torch.ones(2, 5, dtype=torch.int64), None, None, None, None, 1e-5)
+    with pytest.raises(ValueError, match=r"batch_norm_masked_backward: mask must have shape \[2, 5\]"):
+        BACKWARD(x, torch.ones(5, dtype=torch.bool), x, torch.zeros(3), torch.ones(3), None, 1e-5, True,
+                 [True, True, True])

@@ -1,0 +1,95 @@
+"""Masked SyncBatchNorm over 2 processes (gloo on 127.0.0.1) against the
+float64 gather -> batch norm -> scatter reference on the whole batch: outputs,
+input gradients, summed parameter gradients and running statistics, with
+ranks holding different valid counts, one holding only padding, and neither
+holding any."""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_bn_grad
+from masked_reference import gathered_forward, lengths_mask
+
+WORLD_SIZE = 2
+# Per scenario: the lengths of each rank's sequences (frames of 12).
+SCENARIOS = {
+    "uneven": ([12, 5, 9], [3, 7]),
+    "rank-of-padding": ([12, 4], [0, 0, 0]),
+    "all-padding": ([0, 0], [0]),
+}
+CHANNELS, FRAMES = 4, 12
+
+
+def batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(lengths), CHANNELS, FRAMES, generator=g, dtype=torch.float64) + 2.0
+    dy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    mask = lengths_mask(lengths, FRAMES)
+    x = torch.where(mask.unsqueeze(1), x, float("nan"))  # padding must not matter
+    return x, dy, mask
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                                timeout=datetime.timedelta(seconds=60))
+        results = {}
+        for name, per_rank in SCENARIOS.items():
+            m = torch_bn_grad.nn.SyncBatchNorm(CHANNELS).double()
+            x, dy, mask = batch(per_rank[rank], seed=10 * list(SCENARIOS).index(name) + rank)
+            x.requires_grad_()
+            out = m(x, mask)
+            out.backward(dy)
+            results[name] = dict(out=out.detach(), grad=x.grad, weight_grad=m.weight.grad, bias_grad=m.bias.grad,
+                                 running_mean=m.running_mean, running_var=m.running_var)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except Exception:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("masked_sync")
+    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD_SIZE, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_matches_the_whole_batch(ranks, name):
+    parts = [batch(SCENARIOS[name][r], seed=10 * list(SCENARIOS).index(name) + r) for r in range(WORLD_SIZE)]
+    x = torch.cat([p[0] for p in parts]).requires_grad_()
+    dy = torch.cat([p[1] for p in parts])
+    mask = torch.cat([p[2] for p in parts])
+    ref_m = torch.nn.BatchNorm1d(CHANNELS).double()
+    weight = ref_m.weight.detach().clone().requires_grad_()
+    bias = ref_m.bias.detach().clone().requires_grad_()
+    outs = [r[name] for r in ranks]
+    if mask.any():
+        out, mean, var, count = gathered_forward(x, mask, weight, bias, 1e-5)
+        out.backward(dy)
+        expected_out, expected_grad = out.detach(), x.grad
+        unbiased = var * count / max(count - 1, 1)
+        running_mean = 0.1 * mean.detach()
+        running_var = 0.9 + 0.1 * unbiased.detach()
+        weight_grad, bias_grad = weight.grad, bias.grad
+    else:
+        expected_out = expected_grad = torch.zeros_like(x)
+        running_mean, running_var = torch.zeros(CHANNELS, dtype=torch.float64), torch.ones(CHANNELS, dtype=torch.float64)
+        weight_grad = bias_grad = torch.zeros(CHANNELS, dtype=torch.float64)
+    torch.testing.assert_close(torch.cat([o["out"] for o in outs]), expected_out)
+    torch.testing.assert_close(torch.cat([o["grad"] for o in outs]), expected_grad)
+    torch.testing.assert_close(sum(o["weight_grad"] for o in outs), weight_grad)
+    torch.testing.assert_close(sum(o["bias_grad"] for o in outs), bias_grad)
+    for o in outs:
+        torch.testing.assert_close(o["running_mean"], running_mean)
+        torch.testing.assert_close(o["running_var"], running_var)

@@ -1,0 +1,81 @@
+"""Masked batch norm for padded batches: what ``functional.batch_norm(..., mask=)``
+and the modules' ``forward(input, mask)`` run.
+
+The result equals gathering each channel's valid positions, batch-normalizing
+them and scattering them back into zeros: statistics over valid positions
+only, running statistics updated with the unbiased variance of the valid
+count (untouched when there is none), padded outputs and gradients exactly 0.
+The valid count stays a tensor: nothing waits on the mask's contents.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from torch_bn_grad import _activation
+from torch_bn_grad._checks import check_mask
+from torch_bn_grad._masked_autograd import FORWARD, valid_positions
+from torch_bn_grad._running_stats import update_running_stats
+
+
+def masked_batch_norm(
+    input: Tensor,
+    mask: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+    op: str = "batch_norm",
+) -> Tensor:
+    """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True."""
+    check_mask(op, input, mask)
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError(f"{op}: running_mean and running_var must be given when training=False")
+        dst, _, _, _ = FORWARD(input, mask, weight, bias, running_mean, running_var, float(eps))
+        return dst
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be positive in training, got {eps}")
+    dst, mean, var, count = FORWARD(input, mask, weight, bias, None, None, float(eps))
+    if running_mean is not None or running_var is not None:
+        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    return dst
+
+
+def masked_batch_norm_act(
+    input: Tensor,
+    mask: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+    *,
+    residual: Optional[Tensor],
+    activation: str,
+    negative_slope: float,
+) -> Tensor:
+    """``activation(masked_batch_norm(input) + residual)`` at the valid positions, 0 at
+    padded ones whatever ``residual`` holds there (the masked operator, then torch operators)."""
+    y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
+                          op="batch_norm_act")
+    return masked_add_activate(y, mask, residual, activation, negative_slope)
+
+
+def masked_add_activate(
+    y: Tensor, mask: Tensor, residual: Optional[Tensor], activation: str, negative_slope: float
+) -> Tensor:
+    """``activation(y + residual)`` for a masked batch norm's output ``y`` (0 at padded
+    positions): the residual's padding is dropped before the add, and every
+    activation maps 0 to 0, so padded outputs stay 0 and get no gradient."""
+    if residual is not None:
+        y = y + torch.where(valid_positions(mask), residual, 0)
+    return _activation.activate(y, activation, negative_slope)
