@@ -195,8 +195,11 @@ class BuildInOneQueue(BuildExtension):
 
 
 def _extension():
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    # csrc/ by idea (csrc/README.md): the schemas on top, argument checks and
+    # layouts, autograd, the CPU operators; the per-ISA kernels are KERNEL_SOURCES.
+    sources = []
+    for folder in ("", "args", "autograd", "cpu"):
+        sources += sorted(glob.glob(os.path.join("csrc", folder, "*.cpp")))
     kwargs = dict(
         name="torch_bn_grad._C",
         include_dirs=[os.path.join(ROOT, "csrc")],

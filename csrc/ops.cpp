@@ -136,7 +136,7 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // The gradient of batch_norm_forward with respect to (src, gamma, beta, mean,
   // variance), given the gradients reaching its three outputs; undefined (None)
   // where output_mask is false. Made of differentiable operators
-  // (csrc/batch_norm_autograd.cpp), so gradients of any order flow through it.
+  // (csrc/autograd/batch_norm_autograd.cpp), so gradients of any order flow through it.
   m.def(
       "batch_norm_forward_grad(Tensor src, Tensor? gamma, Tensor mean, Tensor variance, Tensor? grad_dst, "
       "Tensor? grad_mean, Tensor? grad_variance, float epsilon, str data_format, bool training, "
@@ -146,7 +146,7 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // variance) given src, gamma, the statistics the forward used (the batch's
   // in training, the given ones frozen) and the inputs' tangents (None: zero);
   // None where zero. The forward operators' Autograd kernels and
-  // BatchNormFunction.jvp compute them with it (csrc/forward_ad.cpp).
+  // BatchNormFunction.jvp compute them with it (csrc/autograd/forward_ad.cpp).
   m.def(
       "batch_norm_forward_jvp(Tensor src, Tensor? gamma, Tensor mean, Tensor variance, bool training, "
       "float epsilon, str data_format, Tensor? src_t, Tensor? gamma_t, Tensor? beta_t, Tensor? mean_t, "

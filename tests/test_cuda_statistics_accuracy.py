@@ -1,4 +1,4 @@
-"""The CUDA kernels' per-thread statistics (``csrc/compensated.h``: compensated
+"""The CUDA kernels' per-thread statistics (``csrc/math/compensated.h``: compensated
 sums of x - centre and (x - centre)^2 about the channel's first value, block
 partials merged with Chan's formula) checked on the host against float64, on
 inputs that break plain float32 accumulation: a large common offset (mean 1e4

@@ -1,4 +1,4 @@
-"""The Autograd kernels whose formula is Python (csrc/python_autograd.cpp): a
+"""The Autograd kernels whose formula is Python (csrc/autograd/python_autograd.cpp): a
 call that records nothing never enters Python; one that records (grad mode
 and an input requiring grad, or a forward-mode tangent) runs the formula,
 whose node and errors reach the caller as before."""

@@ -1,5 +1,5 @@
 """Autograd formula of ``batch_norm_backward`` (so that gradients of any order
-flow). The forward operator's formula is C++ (``csrc/batch_norm_autograd.cpp``)."""
+flow). The forward operator's formula is C++ (``csrc/autograd/batch_norm_autograd.cpp``)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def register_autograd(
             return plain_apply(*args)
 
     # A call that records nothing (no grad mode or no input requiring grad,
-    # and no tangent) skips autograd in C++ (csrc/python_autograd.cpp); the
+    # and no tangent) skips autograd in C++ (csrc/autograd/python_autograd.cpp); the
     # others call `record`.
     _C.register_python_autograd(op._opname, record)
 

@@ -1,5 +1,5 @@
 """Argument checks made in Python: what cannot reach the C++ checks
-(``csrc/batch_norm_args.cpp``), arguments of the wrong Python type, and the
+(``csrc/args/batch_norm_args.cpp``), arguments of the wrong Python type, and the
 fake implementations' device check."""
 
 from __future__ import annotations

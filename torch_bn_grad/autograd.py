@@ -52,7 +52,7 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, src_t, gamma_t, beta_t, mean_t, variance_t, *_: Any) -> Optional[Tensor]:  # type: ignore[override]
         """Forward-mode AD (``torch.autograd.forward_ad``, ``gradcheck(check_forward_ad=True)``):
-        the forward operator's own jvp formula (csrc/forward_ad.cpp)."""
+        the forward operator's own jvp formula (csrc/autograd/forward_ad.cpp)."""
         src, gamma, mean, variance = ctx.saved_tensors
         dst_t, _, _ = torch.ops.torch_bn_grad.batch_norm_forward_jvp.default(
             src, gamma, mean, variance, ctx.training, ctx.epsilon, ctx.data_format, src_t, gamma_t, beta_t,
@@ -67,7 +67,7 @@ class BatchNormFunction(torch.autograd.Function):
             # Double backward: the statistics are functions of src, so take them
             # from the differentiable operator instead of the saved constants.
             _, mean, variance = ops.batch_norm_forward(src, gamma, epsilon=ctx.epsilon, data_format=ctx.data_format)
-        # The forward operator's own gradient formula (csrc/batch_norm_autograd.cpp).
+        # The forward operator's own gradient formula (csrc/autograd/batch_norm_autograd.cpp).
         grads = torch.ops.torch_bn_grad.batch_norm_forward_grad.default(
             src, gamma, mean, variance, grad_dst, None, None, ctx.epsilon, ctx.data_format, ctx.training,
             ctx.param_dtype, ctx.needs_input_grad[:5],

@@ -1,7 +1,7 @@
 """The operators: documented Python wrappers over ``torch.ops.torch_bn_grad``.
 
 Both operators are differentiable to any order (autograd of the forward in
-``csrc/batch_norm_autograd.cpp``, of the backward in ``_autograd.py``); their
+``csrc/autograd/batch_norm_autograd.cpp``, of the backward in ``_autograd.py``); their
 fake implementations, for torch.compile and export, are in ``_fake.py``.
 """
 

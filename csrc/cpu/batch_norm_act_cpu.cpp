@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "batch_norm_args.h"
+#include "args/batch_norm_args.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/output_cache.h"

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <limits>
 
-#include "batch_norm_args.h"
+#include "args/batch_norm_args.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"

@@ -10,8 +10,8 @@
 #include <limits>
 #include <tuple>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"

@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/kernels/masked_kernel_table.h"
-#include "masked_layout.h"
+#include "args/masked_layout.h"
 
 namespace torch_bn_grad::cpu {
 

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cuda/epilogue.cuh"
 #include "cuda/partition.cuh"
 #include "cuda/vector_io.cuh"

@@ -17,9 +17,9 @@
 #include <cstdint>
 #include <limits>
 
-#include "activation_math.h"
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "math/activation_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/epilogue.cuh"
 #include "cuda/forward.cuh"

@@ -16,8 +16,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/forward.cuh"
 #include "cuda/launch.cuh"

@@ -15,11 +15,11 @@
 #include <limits>
 #include <tuple>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/launch.cuh"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
 namespace {

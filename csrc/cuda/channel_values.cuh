@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "batch_norm_args.h"
+#include "args/batch_norm_args.h"
 
 namespace torch_bn_grad::cuda {
 

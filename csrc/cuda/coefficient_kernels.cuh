@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/channel_values.cuh"
 #include "cuda/thread_states.cuh"

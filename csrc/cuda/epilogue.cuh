@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "activation_math.h"
-#include "batch_norm_math.h"
+#include "math/activation_math.h"
+#include "math/batch_norm_math.h"
 
 namespace torch_bn_grad::cuda {
 

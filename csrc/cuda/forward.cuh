@@ -13,8 +13,8 @@
 #include <optional>
 #include <tuple>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cuda/channel_values.cuh"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/launch.cuh"

@@ -15,14 +15,14 @@
 #include <initializer_list>
 #include <optional>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
 #include "cuda/affine_kernels.cuh"
 #include "cuda/block_reduce.cuh"
 #include "cuda/launch_plan.cuh"
 #include "cuda/persistent_kernels.cuh"
 #include "cuda/reduce_kernels.cuh"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
 

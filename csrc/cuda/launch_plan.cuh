@@ -18,7 +18,7 @@
 #include <type_traits>
 
 #include "cuda/partition.cuh"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
 

@@ -21,10 +21,10 @@
 
 #include <cstdint>
 
-#include "batch_norm_args.h"
-#include "batch_norm_math.h"
-#include "compensated.h"
-#include "masked_layout.h"
+#include "args/batch_norm_args.h"
+#include "math/batch_norm_math.h"
+#include "math/compensated.h"
+#include "args/masked_layout.h"
 
 namespace torch_bn_grad::cuda {
 namespace {

@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cuda/affine_kernels.cuh"
 #include "cuda/block_reduce.cuh"
 #include "cuda/coefficient_kernels.cuh"

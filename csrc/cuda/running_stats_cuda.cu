@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cuda/running_stats_cuda.h"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
 namespace {

@@ -16,8 +16,8 @@
 
 #include <cstdint>
 
-#include "batch_norm_math.h"
-#include "compensated.h"
+#include "math/batch_norm_math.h"
+#include "math/compensated.h"
 
 namespace torch_bn_grad::cuda {
 

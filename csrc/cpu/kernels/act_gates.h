@@ -15,8 +15,8 @@
 
 #include <cstdint>
 
-#include "activation_math.h"
-#include "batch_norm_math.h"
+#include "math/activation_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/sign_bits.h"
 #include "cpu/kernels/vec_io.h"

@@ -8,9 +8,9 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "activation_math.h"
+#include "math/activation_math.h"
 #include "cpu/kernels/isa_copy.h"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cpu {
 

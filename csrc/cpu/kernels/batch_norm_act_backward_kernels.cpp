@@ -12,8 +12,8 @@
 
 #include <cstdint>
 
-#include "activation_math.h"
-#include "batch_norm_math.h"
+#include "math/activation_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/act_gates.h"
 #include "cpu/kernels/act_kernel_table.h"

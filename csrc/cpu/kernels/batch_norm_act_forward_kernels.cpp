@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "activation_math.h"
+#include "math/activation_math.h"
 #include "cpu/kernels/act_gates.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/kernels/kernel_table.h"

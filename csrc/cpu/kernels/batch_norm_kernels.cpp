@@ -41,7 +41,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/channel_convert.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/kernels/operators.h"

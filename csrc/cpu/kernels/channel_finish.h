@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/partition.h"
 

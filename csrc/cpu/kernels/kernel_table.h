@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "cpu/kernels/isa_copy.h"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cpu {
 

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cpu {
 

@@ -26,8 +26,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "batch_norm_math.h"
-#include "compensated.h"
+#include "math/batch_norm_math.h"
+#include "math/compensated.h"
 #include "cpu/kernels/masked_kernel_table.h"
 #include "cpu/kernels/vec_io.h"
 

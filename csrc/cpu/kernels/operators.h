@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/channel_finish.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/partition.h"

@@ -22,10 +22,10 @@
 #include <numeric>
 #include <type_traits>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
 #include "cpu/cache_geometry.h"
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {

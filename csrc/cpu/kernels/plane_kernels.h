@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/exact_sum.h"
 #include "cpu/kernels/partition.h"

@@ -10,7 +10,7 @@
 
 #include <c10/macros/Macros.h>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/partition.h"
 #include "cpu/kernels/vec_io.h"

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/epilogue.h"
 #include "cpu/kernels/row_walk.h"
 

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 #include "cpu/kernels/channel_finish.h"
 #include "cpu/kernels/row_walk.h"
 

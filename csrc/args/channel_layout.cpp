@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "batch_norm_args.h"
+#include "args/batch_norm_args.h"
 #include "cpu/kernels/kernel_table.h"
 
 namespace torch_bn_grad {

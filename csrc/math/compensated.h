@@ -20,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "batch_norm_math.h"
+#include "math/batch_norm_math.h"
 
 namespace torch_bn_grad::math {
 

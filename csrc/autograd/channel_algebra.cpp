@@ -1,4 +1,4 @@
-#include "channel_algebra.h"
+#include "autograd/channel_algebra.h"
 
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/grad_mode.h>

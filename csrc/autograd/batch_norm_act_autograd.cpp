@@ -26,11 +26,11 @@
 #include <optional>
 #include <string>
 
-#include "autograd_node.h"
-#include "channel_algebra.h"
-#include "dispatch_handles.h"
-#include "forward_ad.h"
-#include "forward_grad.h"
+#include "autograd/autograd_node.h"
+#include "autograd/channel_algebra.h"
+#include "autograd/dispatch_handles.h"
+#include "autograd/forward_ad.h"
+#include "autograd/forward_grad.h"
 
 namespace torch_bn_grad {
 namespace {
@@ -83,7 +83,7 @@ struct ActArgs {
 // dy * act'(z) in differentiable ops, z = batch_norm(x; m, v, g, b) + r
 // (relu, leaky_relu: act' from the detached output y, whose derivative is 0,
 // torch's convention; silu from z, recomputed). The double backward's and the
-// jvp's gate. Mirrors csrc/activation_math.h: a new activation adds its case here.
+// jvp's gate. Mirrors csrc/math/activation_math.h: a new activation adds its case here.
 at::Tensor times_act_grad(const at::Tensor& dy, const ActArgs& a, const at::Tensor& x, const at::Tensor& y,
                           const at::Tensor& r, const at::Tensor& m, const at::Tensor& v, const at::Tensor& g,
                           const at::Tensor& b) {

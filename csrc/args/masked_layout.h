@@ -10,7 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "extent.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad {
 

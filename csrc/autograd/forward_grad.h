@@ -16,7 +16,7 @@ namespace torch_bn_grad {
 
 // Gradients of (dst, mean, variance) = batch_norm_forward(src, gamma, beta, ...)
 // with respect to (src, gamma, beta, mean, variance); undefined where
-// output_mask is false (csrc/batch_norm_autograd.cpp).
+// output_mask is false (csrc/autograd/batch_norm_autograd.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_grad(
     const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean,
     const at::Tensor& variance, const std::optional<at::Tensor>& grad_dst, const std::optional<at::Tensor>& grad_mean,

@@ -17,11 +17,11 @@
 #include <optional>
 #include <string>
 
-#include "autograd_node.h"
-#include "channel_algebra.h"
-#include "dispatch_handles.h"
-#include "forward_ad.h"
-#include "forward_grad.h"
+#include "autograd/autograd_node.h"
+#include "autograd/channel_algebra.h"
+#include "autograd/dispatch_handles.h"
+#include "autograd/forward_ad.h"
+#include "autograd/forward_grad.h"
 
 namespace torch_bn_grad {
 namespace {

@@ -15,7 +15,7 @@
 #include <memory>
 #include <string>
 
-#include "forward_ad.h"
+#include "autograd/forward_ad.h"
 #include "module_functions.h"
 
 namespace torch_bn_grad {

@@ -1,4 +1,4 @@
-#include "batch_norm_args.h"
+#include "args/batch_norm_args.h"
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>

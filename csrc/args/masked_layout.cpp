@@ -1,4 +1,4 @@
-#include "masked_layout.h"
+#include "args/masked_layout.h"
 
 #include <ATen/ATen.h>
 

@@ -16,8 +16,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "activation_math.h"
-#include "extent.h"
+#include "math/activation_math.h"
+#include "math/extent.h"
 
 namespace torch_bn_grad {
 

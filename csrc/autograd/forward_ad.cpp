@@ -1,6 +1,6 @@
-#include "forward_ad.h"
+#include "autograd/forward_ad.h"
 
-#include "channel_algebra.h"
+#include "autograd/channel_algebra.h"
 
 #include <torch/library.h>
 

@@ -21,7 +21,7 @@
 
 #include <cmath>
 
-#include "batch_norm_math.h"  // TBG_HOST_DEVICE
+#include "math/batch_norm_math.h"  // TBG_HOST_DEVICE
 
 namespace torch_bn_grad::act {
 
