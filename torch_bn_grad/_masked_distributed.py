@@ -18,11 +18,12 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from torch_bn_grad import _channels, _compat, stages
+from torch_bn_grad import _channels
 from torch_bn_grad._checks import check_mask
 from torch_bn_grad._compat import functional_collectives as funcol
 from torch_bn_grad._masked_autograd import BACKWARD, FORWARD, per_channel, valid_positions
 from torch_bn_grad._running_stats import update_running_stats
+from torch_bn_grad.distributed import group_statistics, run_collective
 
 
 def sync_masked_batch_norm(
@@ -43,8 +44,7 @@ def sync_masked_batch_norm(
     _, mean, var, count = FORWARD(input.detach(), mask, None, None, None, None, float(eps))
     counts = count.expand(mean.shape[0])
     local = torch.stack((counts, mean.double(), var.double() * counts))
-    gathered = _compat.all_gather_single(local, 0, group)
-    total, global_mean, global_var = stages.combine_stats(gathered.view(-1, *local.shape))
+    total, global_mean, global_var = group_statistics(local, group)
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, global_mean, global_var, total[0], momentum)
     return _SyncMaskedFunction.apply(input, mask, weight, bias, total[0], global_mean, global_var, eps, group)
@@ -87,7 +87,8 @@ class _SyncMaskedFunction(torch.autograd.Function):
         grad_bias = sums[0].to(ctx.bias_dtype) if need_bias else None
         grad_input = None
         if need_input:
-            sum_dy_all, sum_dy_xc_all = funcol.all_reduce(sums, "sum", ctx.group).unbind(0)
+            sum_dy_all, sum_dy_xc_all = run_collective(
+                lambda t: funcol.all_reduce(t, "sum", ctx.group), sums, ctx.group).unbind(0)
             n = count.clamp_min(1)
             g = weight.double() if weight is not None else torch.ones_like(rstd)
             scale = g * rstd

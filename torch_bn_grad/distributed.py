@@ -49,15 +49,21 @@ def sync_batch_norm(
     """
     if not eps > 0:
         raise ValueError(f"sync_batch_norm: eps must be positive in training, got {eps}")
-    local = stages.batch_norm_local_stats(input.detach())
-    gathered = _collective(lambda t: _compat.all_gather_single(t, 0, group), local, group)
-    count, mean, variance = stages.combine_stats(gathered.view(-1, *local.shape))
+    count, mean, variance = group_statistics(stages.batch_norm_local_stats(input.detach()), group)
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, variance, count, momentum)
     return _SyncBatchNormFunction.apply(input, weight, bias, count, mean, variance, eps, group)
 
 
-def _collective(run: Callable[[Tensor], Tensor], statistics: Tensor, group: ProcessGroup) -> Tensor:
+def group_statistics(local: Tensor, group: ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole group's (count, mean, variance) per channel from every process's
+    packed local ``(count, mean, m2)`` rows: one all-gather, combined exactly
+    (``stages.combine_stats``), whatever each process's count, none included."""
+    gathered = run_collective(lambda t: _compat.all_gather_single(t, 0, group), local, group)
+    return stages.combine_stats(gathered.view(-1, *local.shape))
+
+
+def run_collective(run: Callable[[Tensor], Tensor], statistics: Tensor, group: ProcessGroup) -> Tensor:
     """``run(statistics)``, a collective over ``group``, on a device its backend takes.
 
     gloo's collectives take CPU tensors only (its CUDA paths fail or crash):
@@ -124,7 +130,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if need_bias:
             grad_bias = sums[0].to(ctx.bias_dtype)
         if need_input:
-            total = _collective(lambda t: funcol.all_reduce(t, "sum", ctx.group), sums, ctx.group)
+            total = run_collective(lambda t: funcol.all_reduce(t, "sum", ctx.group), sums, ctx.group)
             grad_input = stages.batch_norm_grad_input(
                 input, grad_dst, mean, variance, weight, count, total, epsilon=ctx.eps
             )
