@@ -48,7 +48,7 @@ class FusedForward:
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant: TorchScript compiles this branch only
             if mask is not None:
-                raise RuntimeError(f"{type(self).__name__}: a mask is not supported in TorchScript")
+                raise RuntimeError("batch norm: a mask is not supported in TorchScript (run the module in Python)")
             return _script.module_forward(
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
@@ -216,7 +216,7 @@ class ActForward(FusedForward):
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant, as in FusedForward.forward
             if mask is not None:
-                raise RuntimeError(f"{type(self).__name__}: a mask is not supported in TorchScript")
+                raise RuntimeError("batch norm: a mask is not supported in TorchScript (run the module in Python)")
             y = _script.module_forward(
                 input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
                 self.training, self.track_running_stats, self.momentum, self.eps,
