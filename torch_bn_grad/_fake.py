@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import _channels
-from torch_bn_grad._checks import check_same_device
+from torch_bn_grad._checks import check_mask, check_same_device
 
 
 def _given(t: Optional[Tensor]) -> str:
@@ -43,14 +43,21 @@ def _batch_norm_stats_affine_fake(src, gamma, beta, epsilon, data_format):
 @torch.library.register_fake("torch_bn_grad::batch_norm_backward")
 def _batch_norm_backward_fake(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     check_same_device("batch_norm_backward", src, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
+    return _backward_outputs("batch_norm_backward", src, diff_dst, mean, output_mask)
+
+
+def _backward_outputs(op: str, src: Tensor, diff_dst: Tensor, mean: Tensor, output_mask) -> tuple[Tensor, ...]:
+    """``(diff_src, diff_gamma, diff_beta)`` of a backward operator, each empty where
+    ``output_mask`` skips it, once ``diff_dst`` is checked against ``src``'s shape."""
     torch._check_value(
         diff_dst.shape == src.shape,
-        lambda: f"batch_norm_backward: diff_dst must have src's shape {list(src.shape)}, got {list(diff_dst.shape)}",
+        lambda: f"{op}: diff_dst must have src's shape {list(src.shape)}, got {list(diff_dst.shape)}",
     )
-    diff_src = torch.empty_like(src) if output_mask[0] else src.new_empty(0)
-    diff_gamma = mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0)
-    diff_beta = mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0)
-    return diff_src, diff_gamma, diff_beta
+    return (
+        torch.empty_like(src) if output_mask[0] else src.new_empty(0),
+        mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0),
+        mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0),
+    )
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_update_running_stats")
@@ -136,13 +143,32 @@ def _batch_norm_act_backward_fake(diff_dst, src, dst, residual, mean, variance, 
     torch._check_value(data is not None, lambda: f"{op}: {'dst' if from_output else 'src'} must be given, got None")
     check_same_device(op, data, diff_dst=diff_dst, residual=residual, mean=mean, variance=variance, gamma=gamma,
                       beta=beta)
+    diff_residual = torch.empty_like(data) if output_mask[3] else data.new_empty(0)
+    return (*_backward_outputs(op, data, diff_dst, mean, output_mask), diff_residual)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_masked_forward")
+def _masked_forward_fake(src, mask, gamma, beta, mean, variance, epsilon):
+    op = "batch_norm_masked_forward"
+    check_mask(op, src, mask)
+    check_same_device(op, src, mask=mask, gamma=gamma, beta=beta, mean=mean, variance=variance)
     torch._check_value(
-        diff_dst.shape == data.shape,
-        lambda: f"{op}: diff_dst must have src's shape {list(data.shape)}, got {list(diff_dst.shape)}",
+        (mean is None) == (variance is None),
+        lambda: f"{op}: mean and variance must be given together (frozen statistics) or both omitted",
     )
+    channels = src.shape[1]
+    dtype = mean.dtype if mean is not None else _channels.accumulation_dtype(src)
     return (
-        torch.empty_like(data) if output_mask[0] else data.new_empty(0),
-        mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0),
-        mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0),
-        torch.empty_like(data) if output_mask[3] else data.new_empty(0),
+        torch.empty_like(src),
+        src.new_empty((channels,), dtype=dtype),
+        src.new_empty((channels,), dtype=dtype),
+        src.new_empty((), dtype=torch.float64),
     )
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_masked_backward")
+def _masked_backward_fake(src, mask, diff_dst, mean, variance, gamma, epsilon, training, output_mask):
+    op = "batch_norm_masked_backward"
+    check_mask(op, src, mask)
+    check_same_device(op, src, mask=mask, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
+    return _backward_outputs(op, src, diff_dst, mean, output_mask)

@@ -1,5 +1,5 @@
-"""Autograd formulas and fake implementations of the masked operators
-``batch_norm_masked_forward`` and ``batch_norm_masked_backward``.
+"""Autograd formulas of the masked operators ``batch_norm_masked_forward`` and
+``batch_norm_masked_backward`` (their fake implementations are in ``_fake.py``).
 
 The forward's gradient is the backward operator (padded positions get 0 and
 are never read); the backward's own gradient is ``_autograd.backward_backward``
@@ -17,7 +17,6 @@ from torch import Tensor
 from torch_bn_grad import _channels
 from torch_bn_grad._autograd import backward_backward
 from torch_bn_grad._autograd_kernel import register_autograd
-from torch_bn_grad._checks import check_mask, check_same_device
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
 BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default
@@ -31,41 +30,6 @@ def valid_positions(mask: Tensor) -> Tensor:
 def per_channel(stats: Tensor, src: Tensor) -> Tensor:
     """A (C,) tensor viewed to broadcast against ``src`` (N, C, *X)."""
     return _channels.broadcastable(stats, src, "NCX")
-
-
-# ---------------------------------------------------------------- fake implementations
-@torch.library.register_fake("torch_bn_grad::batch_norm_masked_forward")
-def _masked_forward_fake(src, mask, gamma, beta, mean, variance, epsilon):
-    op = "batch_norm_masked_forward"
-    check_mask(op, src, mask)
-    check_same_device(op, src, mask=mask, gamma=gamma, beta=beta, mean=mean, variance=variance)
-    torch._check_value(
-        (mean is None) == (variance is None),
-        lambda: f"{op}: mean and variance must be given together (frozen statistics) or both omitted",
-    )
-    channels = src.shape[1]
-    dtype = mean.dtype if mean is not None else _channels.accumulation_dtype(src)
-    return (
-        torch.empty_like(src),
-        src.new_empty((channels,), dtype=dtype),
-        src.new_empty((channels,), dtype=dtype),
-        src.new_empty((), dtype=torch.float64),
-    )
-
-
-@torch.library.register_fake("torch_bn_grad::batch_norm_masked_backward")
-def _masked_backward_fake(src, mask, diff_dst, mean, variance, gamma, epsilon, training, output_mask):
-    op = "batch_norm_masked_backward"
-    check_mask(op, src, mask)
-    check_same_device(op, src, mask=mask, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
-    torch._check_value(
-        diff_dst.shape == src.shape,
-        lambda: f"{op}: diff_dst must have src's shape {list(src.shape)}, got {list(diff_dst.shape)}",
-    )
-    diff_src = torch.empty_like(src) if output_mask[0] else src.new_empty(0)
-    diff_gamma = mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0)
-    diff_beta = mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0)
-    return diff_src, diff_gamma, diff_beta
 
 
 # ---------------------------------------------------------------- the forward's gradient
