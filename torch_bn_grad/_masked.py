@@ -48,28 +48,6 @@ def masked_batch_norm(
     return dst
 
 
-def masked_batch_norm_act(
-    input: Tensor,
-    mask: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
-    *,
-    residual: Optional[Tensor],
-    activation: str,
-    negative_slope: float,
-) -> Tensor:
-    """``activation(masked_batch_norm(input) + residual)`` at the valid positions, 0 at
-    padded ones whatever ``residual`` holds there (the masked operator, then torch operators)."""
-    y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
-                          op="batch_norm_act")
-    return masked_add_activate(y, mask, residual, activation, negative_slope)
-
-
 def masked_add_activate(
     y: Tensor, mask: Tensor, residual: Optional[Tensor], activation: str, negative_slope: float
 ) -> Tensor:

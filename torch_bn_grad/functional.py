@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad._checks import check_activation
-from torch_bn_grad._masked import masked_batch_norm, masked_batch_norm_act
+from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
 from torch_bn_grad._running_stats import update_running_stats
 
 __all__ = ["batch_norm", "batch_norm_act"]
@@ -140,11 +140,11 @@ def batch_norm_act(
     ``ValueError``), ``weight`` must have no zeros (not checked), and double
     backward is then not available.
     """
-    if mask is not None:
-        slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
-        return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
-                                     residual=residual, activation=activation, negative_slope=slope)
     slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
+    if mask is not None:
+        y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
+                              op="batch_norm_act")
+        return masked_add_activate(y, mask, residual, activation, slope)
     op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
     if input.dim() == 1:  # only an empty input is valid: an empty output
         return _rank1(input, running_mean, running_var, weight, bias, training)
