@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_bn_grad
+from recorded_steps import record_steps
 from reference import TOLERANCES
 from spawned_ranks import WORLD_SIZE, run_on_ranks
 
@@ -49,34 +50,14 @@ def _train(rank: int) -> dict:
     share device 0 where only one GPU is visible)."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
     model = torch_bn_grad.convert_batchnorm(_module(), sync=True).cuda().float()
-    result = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
-    for step in range(STEPS):
-        x, dy = _batch(step)
-        x = _local(x, rank).float().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
-        model.zero_grad(set_to_none=True)
-        out = model(x)
-        out.backward(_local(dy, rank).float().cuda())
-        result["outputs"].append(out.detach().cpu())
-        result["input_grads"].append(x.grad.cpu())
-        result["param_grads"].append([p.grad.cpu() for p in model.parameters()])
-        result["running"].append([b.cpu() for b in model.buffers()])
-    return result
+    batches = ((_local(x, rank).float().cuda().contiguous(memory_format=torch.channels_last),
+                _local(dy, rank).float().cuda()) for x, dy in map(_batch, range(STEPS)))
+    return record_steps(model, model, batches, keep=torch.Tensor.cpu)
 
 
 def _reference() -> dict:
     model = _module().double()
-    result = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
-    for step in range(STEPS):
-        x, dy = _batch(step)
-        x.requires_grad_()
-        model.zero_grad(set_to_none=True)
-        out = model(x)
-        out.backward(dy)
-        result["outputs"].append(out.detach())
-        result["input_grads"].append(x.grad)
-        result["param_grads"].append([p.grad for p in model.parameters()])
-        result["running"].append([b.clone() for b in model.buffers()])
-    return result
+    return record_steps(model, model, map(_batch, range(STEPS)))
 
 
 def _close(actual, expected, what, scale=1.0):
@@ -101,11 +82,11 @@ def test_two_processes_on_one_gpu_match_the_whole_batch(tmp_path):
             where = f"{backend}, step {step}, rank {rank}"
             _close(got["outputs"][step], _local(ref["outputs"][step], rank), f"output, {where}")
             _close(got["input_grads"][step], _local(ref["input_grads"][step], rank), f"input gradient, {where}", 2)
-            for mine, theirs in zip(got["running"][step], ref["running"][step]):
-                _close(mine, theirs, f"running statistics, {where}")
-        for i, expected in enumerate(ref["param_grads"][step]):
-            summed = sum(got["param_grads"][step][i].double() for got in per_rank)
-            _close(summed, expected, f"parameter {i} gradient summed over ranks, {backend}, step {step}", count)
+            for name, theirs in ref["running"][step].items():
+                _close(got["running"][step][name], theirs, f"running statistic {name}, {where}")
+        for name, expected in ref["param_grads"][step].items():
+            summed = sum(got["param_grads"][step][name].double() for got in per_rank)
+            _close(summed, expected, f"parameter {name} gradient summed over ranks, {backend}, step {step}", count)
 
 
 def test_world_of_one_nccl_process_runs_as_local_batch_norm():

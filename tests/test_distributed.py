@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
+from recorded_steps import record_steps
 from spawned_ranks import run_on_ranks
 from reference import TOLERANCES, assert_modules_match
 
@@ -99,21 +100,12 @@ def _run_scenario(scenario: Scenario, rank: int, groups: dict) -> dict:
     """Training steps then an eval step with our SyncBatchNorm on this rank's slice."""
     model = torch_bn_grad.convert_batchnorm(scenario.module(), sync=True, process_group=groups[scenario.group])
     assert type(model) is torch_bn_grad.nn.SyncBatchNorm
-    result: dict = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
     forward = model
     if scenario.backend:
         counters.clear()
         forward = torch.compile(model, backend=scenario.backend, fullgraph=True, dynamic=scenario.dynamic)
-    for step in range(STEPS):
-        x, dy = scenario.batch(step)
-        x = scenario.local(x, rank).detach().requires_grad_()
-        model.zero_grad(set_to_none=True)
-        out = forward(x)
-        out.backward(scenario.local(dy, rank))
-        result["outputs"].append(out.detach())
-        result["input_grads"].append(x.grad)
-        result["param_grads"].append([p.grad for p in model.parameters()])
-        result["running"].append([b.clone() for b in model.buffers()])
+    batches = ((scenario.local(x, rank), scenario.local(dy, rank)) for x, dy in map(scenario.batch, range(STEPS)))
+    result = record_steps(forward, model, batches)
     if scenario.backend:
         # Graphs compiled for training: a recompilation would add one (dynamo's
         # restarts of an analysis do not).
@@ -146,17 +138,8 @@ def rank_results(tmp_path_factory) -> list[dict]:
 def _reference(scenario: Scenario) -> dict:
     """torch's BatchNorm in one process on the whole batch, in float64."""
     model = scenario.module().double()
-    result: dict = {"outputs": [], "input_grads": [], "param_grads": [], "running": []}
-    for step in range(STEPS):
-        x, dy = scenario.batch(step)
-        x = x.double().requires_grad_()
-        model.zero_grad(set_to_none=True)
-        out = model(x)
-        out.backward(dy.double())
-        result["outputs"].append(out.detach())
-        result["input_grads"].append(x.grad)
-        result["param_grads"].append([p.grad for p in model.parameters()])
-        result["running"].append([b.clone() for b in model.buffers()])
+    batches = ((x.double(), dy.double()) for x, dy in map(scenario.batch, range(STEPS)))
+    result = record_steps(model, model, batches)
     model.eval()
     with torch.no_grad():
         result["eval_output"] = model(scenario.batch(STEPS)[0].double())
@@ -185,11 +168,11 @@ def _check_against_whole_batch(scenario: Scenario, per_rank: list[dict]) -> None
             _close(got["outputs"][step], scenario.local(ref["outputs"][step], rank), dt, f"output, {where}")
             _close(got["input_grads"][step], scenario.local(ref["input_grads"][step], rank), dt,
                    f"input gradient, {where}", scale=2)
-            for got_buffer, ref_buffer in zip(got["running"][step], ref["running"][step]):
-                _close(got_buffer, ref_buffer, param_dt, f"running statistics, {where}")
-        for i, ref_grad in enumerate(ref["param_grads"][step]):
-            summed = sum(got["param_grads"][step][i].double() for got in per_rank)
-            _close(summed, ref_grad, param_dt, f"parameter {i} gradient summed over ranks, step {step}",
+            for name, ref_buffer in ref["running"][step].items():
+                _close(got["running"][step][name], ref_buffer, param_dt, f"running statistic {name}, {where}")
+        for name, ref_grad in ref["param_grads"][step].items():
+            summed = sum(got["param_grads"][step][name].double() for got in per_rank)
+            _close(summed, ref_grad, param_dt, f"parameter {name} gradient summed over ranks, step {step}",
                    scale=count)  # sums of `count` terms
     for rank, got in enumerate(per_rank):
         _close(got["eval_output"], scenario.local(ref["eval_output"], rank), dt, f"eval output, rank {rank}")
@@ -200,9 +183,10 @@ def _check_against_whole_batch(scenario: Scenario, per_rank: list[dict]) -> None
 def test_empty_whole_batch_leaves_running_stats(rank_results):
     fresh = SCENARIOS["all-empty"].module()
     for got in rank_results:
-        running_mean, running_var, tracked = got["all-empty"]["running"][-1]
-        assert torch.equal(running_mean, fresh.running_mean) and torch.equal(running_var, fresh.running_var)
-        assert tracked.item() == STEPS
+        running = got["all-empty"]["running"][-1]
+        assert torch.equal(running["running_mean"], fresh.running_mean)
+        assert torch.equal(running["running_var"], fresh.running_var)
+        assert running["num_batches_tracked"].item() == STEPS
 
 
 @pytest.mark.parametrize("name", [n for n, s in SCENARIOS.items() if s.backend])

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import torch_bn_grad
+from recorded_steps import record_steps
 from spawned_ranks import WORLD_SIZE, run_on_ranks
 
 SIZES = (3, 2)  # per-rank batch sizes
@@ -54,38 +55,23 @@ def _train(rank: int) -> dict:
         model = torch_bn_grad.convert_batchnorm(_model(), sync=True, fuse=True)
     kinds = sorted(type(m).__name__ for m in model.modules() if isinstance(m, torch_bn_grad.nn.SyncBatchNorm))
     ddp = nn.parallel.DistributedDataParallel(model)
-    result: dict = {"kinds": kinds, "outputs": [], "input_grads": [], "param_grads": []}
-    for step in range(STEPS):
-        x, dy = _batch(step)
-        x = _local(x, rank).requires_grad_()
-        ddp.zero_grad(set_to_none=True)
-        y = ddp(x)
-        y.backward(_local(dy, rank))
-        result["outputs"].append(y.detach())
-        result["input_grads"].append(x.grad)
-        result["param_grads"].append({n: p.grad for n, p in model.named_parameters()})
-    result["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
-    return result
+    batches = ((_local(x, rank), _local(dy, rank)) for x, dy in map(_batch, range(STEPS)))
+    return {"kinds": kinds, **record_steps(ddp, model, batches)}
 
 
 def test_ddp_sync_fused_matches_whole_batch(tmp_path):
     per_rank = run_on_ranks(_train, (), tmp_path, TIMEOUT_S)
-    ref = _model()
+    ref_model = _model()
+    ref = record_steps(ref_model, ref_model, map(_batch, range(STEPS)))
     for step in range(STEPS):
-        x, dy = _batch(step)
-        x.requires_grad_()
-        ref.zero_grad(set_to_none=True)
-        y = ref(x)
-        y.backward(dy)
         for rank, got in enumerate(per_rank):
             assert got["kinds"] == ["SyncBatchNormAct", "SyncBatchNormAct"]
-            torch.testing.assert_close(got["outputs"][step], _local(y.detach(), rank))
-            torch.testing.assert_close(got["input_grads"][step], _local(x.grad, rank))
-            for name, p in ref.named_parameters():  # DDP averages: the mean of the ranks' shares
-                torch.testing.assert_close(got["param_grads"][step][name] * WORLD_SIZE, p.grad)
-    for got in per_rank:
-        for name, b in ref.named_buffers():
-            torch.testing.assert_close(got["buffers"][name], b)
+            torch.testing.assert_close(got["outputs"][step], _local(ref["outputs"][step], rank))
+            torch.testing.assert_close(got["input_grads"][step], _local(ref["input_grads"][step], rank))
+            for name, grad in ref["param_grads"][step].items():  # DDP averages: the mean of the ranks' shares
+                torch.testing.assert_close(got["param_grads"][step][name] * WORLD_SIZE, grad)
+            for name, buffer in ref["running"][step].items():
+                torch.testing.assert_close(got["running"][step][name], buffer)
 
 
 def test_convert_sync_fuse_without_process_group_is_local():
