@@ -25,6 +25,14 @@ def accumulation_dtype(src: Tensor) -> torch.dtype:
     return torch.float32 if src.dtype in HALF_TYPES else src.dtype
 
 
+def to_accumulation_dtype(src: Tensor, *stats: Optional[Tensor]) -> list[Optional[Tensor]]:
+    """Per-channel tensors (None kept) in ``accumulation_dtype(src)``: frozen statistics,
+    and so the parameters applied with them, stay float32 for half-precision data
+    even with half-precision parameters (a mean rounded to bfloat16 is too coarse)."""
+    dtype = accumulation_dtype(src)
+    return [None if t is None else t.to(dtype) for t in stats]
+
+
 def is_broadcast_form(src: Tensor, stats: Optional[Tensor]) -> bool:
     """True when ``stats`` uses the DirectML broadcast form for ``src``."""
     return stats is not None and stats.dim() == src.dim() and (src.dim() == 1 or stats.dim() >= 2)

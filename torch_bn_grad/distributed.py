@@ -5,7 +5,8 @@
 the forward (an all-gather of every process's packed ``(count, mean, m2)``,
 combined exactly with Chan et al.'s formula, so processes may hold different
 batch sizes, none included) and one in the backward (an all-reduce of the two
-packed per-channel gradient sums). The collectives are the traceable
+packed per-channel gradient sums). With a mask, the same over the valid
+positions (``_masked_distributed.py``). The collectives are the traceable
 functional ones and nothing reads a tensor value on the host, so the layer
 compiles into one graph with ``torch.compile(fullgraph=True)`` and never
 synchronizes a CUDA stream with the host.
@@ -21,7 +22,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from torch_bn_grad import _channels, _compat, ops, stages
+from torch_bn_grad._checks import check_mask
 from torch_bn_grad._compat import functional_collectives as funcol
+from torch_bn_grad._masked_distributed import masked_grad_input, masked_grad_sums, masked_local_stats, masked_normalize
 from torch_bn_grad._running_stats import update_running_stats
 
 __all__ = ["sync_batch_norm"]
@@ -36,6 +39,8 @@ def sync_batch_norm(
     momentum: Union[float, Tensor],
     eps: float,
     group: ProcessGroup,
+    *,
+    mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Training-mode batch norm of ``input`` (N, C, *) whose statistics span ``group``.
 
@@ -45,14 +50,20 @@ def sync_batch_norm(
     and ``bias`` are the local contributions (their sum over the group is the
     whole batch's). ``running_mean``/``running_var``, when given, are updated
     in place with ``momentum`` from the whole batch's statistics, unless the
-    whole batch is empty.
+    whole batch is empty. ``mask`` (padded batches) as in
+    :func:`torch_bn_grad.functional.batch_norm`: all of it over the whole
+    group's valid positions only.
     """
+    if mask is not None:
+        check_mask("sync_batch_norm", input, mask)
     if not eps > 0:
         raise ValueError(f"sync_batch_norm: eps must be positive in training, got {eps}")
-    count, mean, variance = group_statistics(stages.batch_norm_local_stats(input.detach()), group)
+    data = input.detach()
+    local = stages.batch_norm_local_stats(data) if mask is None else masked_local_stats(data, mask, eps)
+    count, mean, variance = group_statistics(local, group)
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, variance, count, momentum)
-    return _SyncBatchNormFunction.apply(input, weight, bias, count, mean, variance, eps, group)
+    return _SyncBatchNormFunction.apply(input, mask, weight, bias, count, mean, variance, eps, group)
 
 
 def group_statistics(local: Tensor, group: ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
@@ -84,15 +95,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Normalization with the whole batch's statistics, and its full training-mode gradient.
 
     ``count``, ``mean`` and ``variance`` (float64, computed without autograd)
-    are the whole batch's. The backward takes the local gradient sums about the
-    global mean, keeps them for ``weight``/``bias`` and all-reduces them for
-    ``input``'s gradient.
+    are the whole batch's (its valid positions' with a ``mask``). The backward
+    takes the local gradient sums about the global mean, keeps them for
+    ``weight``/``bias`` and all-reduces them for ``input``'s gradient.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         input: Tensor,
+        mask: Optional[Tensor],
         weight: Optional[Tensor],
         bias: Optional[Tensor],
         count: Tensor,
@@ -101,18 +113,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         eps: float,
         group: ProcessGroup,
     ) -> Tensor:
-        # Statistics (and so parameters) in float32 for half-precision data, even
-        # with half-precision parameters: a mean rounded to bfloat16 would be too coarse.
-        stats_dtype = _channels.accumulation_dtype(input)
-        dst, _, _ = ops.batch_norm_forward(
-            input,
-            weight.to(stats_dtype) if weight is not None else None,
-            bias.to(stats_dtype) if bias is not None else None,
-            mean.to(stats_dtype),
-            variance.to(stats_dtype),
-            epsilon=eps,
-        )
-        ctx.save_for_backward(input, weight, count, mean, variance)
+        frozen = _channels.to_accumulation_dtype(input, weight, bias, mean, variance)
+        if mask is None:
+            dst, _, _ = ops.batch_norm_forward(input, *frozen, epsilon=eps)
+        else:
+            dst = masked_normalize(input, mask, *frozen, eps)
+        ctx.save_for_backward(input, mask, weight, count, mean, variance)
         ctx.eps = eps
         ctx.group = group
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -121,9 +127,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_dst: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        input, weight, count, mean, variance = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sums = stages.batch_norm_grad_sums(input, grad_dst, mean)
+        input, mask, weight, count, mean, variance = ctx.saved_tensors
+        need_input, _, need_weight, need_bias = ctx.needs_input_grad[:4]
+        if mask is None:
+            sums = stages.batch_norm_grad_sums(input, grad_dst, mean)
+        else:
+            sums = masked_grad_sums(input, mask, grad_dst, mean, variance, ctx.eps)
         grad_weight = grad_bias = grad_input = None
         if need_weight:
             grad_weight = (sums[1] * (variance + ctx.eps).rsqrt()).to(weight.dtype)
@@ -131,7 +140,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             grad_bias = sums[0].to(ctx.bias_dtype)
         if need_input:
             total = run_collective(lambda t: funcol.all_reduce(t, "sum", ctx.group), sums, ctx.group)
-            grad_input = stages.batch_norm_grad_input(
-                input, grad_dst, mean, variance, weight, count, total, epsilon=ctx.eps
-            )
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+            if mask is None:
+                grad_input = stages.batch_norm_grad_input(
+                    input, grad_dst, mean, variance, weight, count, total, epsilon=ctx.eps
+                )
+            else:
+                grad_input = masked_grad_input(input, mask, grad_dst, mean, variance, weight, count, total, ctx.eps)
+        return grad_input, None, grad_weight, grad_bias, None, None, None, None, None

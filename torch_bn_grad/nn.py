@@ -13,7 +13,6 @@ from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, functi
 from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad._checks import check_mask
 from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
-from torch_bn_grad._masked_distributed import sync_masked_batch_norm
 
 __all__ = [
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
@@ -164,8 +163,8 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
         if group is None:
             return super()._normalize_masked(input, mask, stats)
         running_mean, running_var, _, momentum = stats
-        return sync_masked_batch_norm(input, mask, running_mean, running_var, *self._affine(), momentum, self.eps,
-                                      group)
+        return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
+                               mask=mask)
 
     def _sync_group(self) -> Optional[dist.ProcessGroup]:
         """The process group to synchronize over, or None to run locally."""
