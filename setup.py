@@ -7,11 +7,11 @@ isolation torch cannot be imported here, and the build stops at once saying so
 C++ ABI that the installed torch may not have).
 
 The C++ operators are always built for the CPU. The hot CPU kernels in
-``csrc/cpu/kernels/`` are compiled once per instruction set (default, AVX2,
-AVX512) and the matching copy is picked at run time from
-``at::get_cpu_capability()``. Every compile (per-ISA kernels and the rest)
-runs from one queue, as many at once as there are CPUs (``MAX_JOBS``), the
-longest first; the other sources share a precompiled header of torch's
+``csrc/cpu/kernels/`` are compiled once per instruction set and the matching
+copy is picked at run time from ``at::get_cpu_capability()``; which copies,
+``cpu_build.py`` says (by default DEFAULT and those this CPU runs). Every
+compile (per-ISA kernels and the rest) runs from one queue, as many at once
+as there are CPUs (``MAX_JOBS``), the longest first; the other sources share a precompiled header of torch's
 headers. CUDA kernels are built where a GPU is visible, for its architecture,
 or when asked (``TORCH_BN_GRAD_CUDA=1`` or ``TORCH_CUDA_ARCH_LIST``), see
 ``cuda_build.py``.
@@ -24,7 +24,6 @@ import glob
 import hashlib
 import logging
 import os
-import platform
 import subprocess
 import sys
 
@@ -52,7 +51,8 @@ from torch.utils.cpp_extension import (  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
-import cuda_build  # noqa: E402  (this folder's build helper, not installed)
+import cpu_build  # noqa: E402  (this folder's build helpers, not installed)
+import cuda_build  # noqa: E402
 
 # C++20 is named, not left to torch.utils.cpp_extension: torch 2.13 defaults to it,
 # but earlier releases (2.11 on the H200 machine) pass -std=c++17 unless a -std is given.
@@ -63,25 +63,8 @@ TORCH_HEADERS = [flag for folder in include_paths() for flag in ("-isystem", fol
 CXX_FLAGS = [CXX_STD, "-O3", "-g0", "-fopenmp", "-fvisibility-inlines-hidden", *TORCH_HEADERS]
 LINK_FLAGS = ["-fopenmp"]
 
-# Flags per CPU capability, named as at::CPUCapability names them. Each copy of
-# the kernels lives in its own namespace (CPU_CAPABILITY), like ATen's own.
-ISA_FLAGS: dict[str, list[str]] = {}
-if platform.machine() in ("x86_64", "AMD64"):
-    ISA_FLAGS = {
-        # -Wno-psabi: GCC notes that passing the portable 32-byte
-        # Vectorized<double> by value changed ABI in GCC 4.6; these calls are
-        # inlined within one file, so no ABI is crossed.
-        "DEFAULT": ["-Wno-psabi"],
-        "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"],
-        # -Wno-uninitialized: GCC 12's own avx512fintrin.h initializes its
-        # "undefined" vectors from themselves (__Y = __Y, GCC bug 105593), which
-        # printed 9,000 warnings a build. The same sources compile with the
-        # warning on for the other two ISAs.
-        "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                   "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-Wno-uninitialized"],
-    }
-else:
-    ISA_FLAGS = {"DEFAULT": []}
+CPU_ISAS = cpu_build.isas(torch.backends.cpu.get_cpu_capability())
+ISA_FLAGS = {isa: cpu_build.flags(isa, CPU_ISAS) for isa in CPU_ISAS}
 
 KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
 # The heavy headers most of the other C++ sources include (Python.h first, as
@@ -130,9 +113,8 @@ class BuildInOneQueue(BuildExtension):
         generic = [os.path.abspath(s) for s in ext.sources]
         tasks = []  # (sources, output folder, cxx flags), longest first
         for isa, flags in ISA_FLAGS.items():
-            defines = [f"-DCPU_CAPABILITY={isa}"] + ([f"-DCPU_CAPABILITY_{isa}"] if isa != "DEFAULT" else [])
             for source in KERNEL_SOURCES:
-                tasks.append(([source], os.path.join("isa", isa.lower()), cxx + flags + defines))
+                tasks.append(([source], os.path.join("isa", isa.lower()), cxx + flags))
         # nvcc's sources first, then the largest.
         for source in sorted(generic, key=lambda s: (not s.endswith(".cu"), -os.path.getsize(s))):
             tasks.append(([source], "generic", cxx))
@@ -200,6 +182,8 @@ def _extension():
     sources = []
     for folder in ("", "args", "autograd", "cpu"):
         sources += sorted(glob.glob(os.path.join("csrc", folder, "*.cpp")))
+    print(cpu_build.describe(CPU_ISAS))
+    isa_defines = cpu_build.generic_defines(CPU_ISAS)
     kwargs = dict(
         name="torch_bn_grad._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
@@ -215,7 +199,7 @@ def _extension():
         ext = CUDAExtension(
             sources=sources,
             extra_compile_args={
-                "cxx": CXX_FLAGS + ["-DTORCH_BN_GRAD_WITH_CUDA"],
+                "cxx": CXX_FLAGS + isa_defines + ["-DTORCH_BN_GRAD_WITH_CUDA"],
                 # --threads 0: each architecture's device code on its own CPU
                 # (one .cu for sm_80 and sm_90: 115 s instead of 185 s on 2 CPUs).
                 "nvcc": [CXX_STD, "-O3", "-DTORCH_BN_GRAD_WITH_CUDA", "--threads", "0", *TORCH_HEADERS],
@@ -225,7 +209,7 @@ def _extension():
         if _CUDA_PLAN.drop_cudart:
             ext.libraries.remove("cudart")
     else:
-        ext = CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS}, **kwargs)
+        ext = CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS + isa_defines}, **kwargs)
     # Headers and kernel sources too: a change to any of them relinks.
     ext.depends = sorted(glob.glob(os.path.join("csrc", "**", "*.*"), recursive=True))
     return ext

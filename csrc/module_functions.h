@@ -11,6 +11,8 @@ namespace torch_bn_grad {
 // Which compiled copy of the CPU kernels runs: "DEFAULT", "AVX2" or "AVX512"
 // (cpu/kernel_table.cpp).
 const char* cpu_kernel_isa();
+// The compiled copies of the CPU kernels, comma-separated, DEFAULT first.
+const char* compiled_cpu_kernel_isas();
 
 // The smallest forward and backward passes (bytes of their operands) the CPU
 // kernels run in channel runs (cpu/cache_geometry.h); INT64_MAX: never.

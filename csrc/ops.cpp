@@ -33,6 +33,11 @@ PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(torch_bn_grad::cpu_kernel_isa());
 }
 
+// `torch_bn_grad._C.compiled_cpu_kernel_isas()`: the compiled copies, comma-separated.
+PyObject* compiled_cpu_kernel_isas(PyObject*, PyObject*) {
+  return PyUnicode_FromString(torch_bn_grad::compiled_cpu_kernel_isas());
+}
+
 // `cpu_channel_runs_min_pass_bytes()`: from which pass size (bytes of its operands) the CPU forward and
 // backward run in channel runs, as a dict; None: never.
 PyObject* cpu_channel_runs_min_pass_bytes(PyObject*, PyObject*) {
@@ -100,6 +105,8 @@ PyObject* register_python_autograd(PyObject*, PyObject* args) {
 PyMethodDef methods[] = {
     {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
      "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
+    {"compiled_cpu_kernel_isas", compiled_cpu_kernel_isas, METH_NOARGS,
+     "Instruction sets the CPU kernels were compiled for, comma-separated."},
     {"cpu_channel_runs_min_pass_bytes", cpu_channel_runs_min_pass_bytes, METH_NOARGS,
      "Smallest forward and backward passes (bytes of their operands) the CPU kernels run in channel runs."},
     {"output_cache_info", output_cache_info, METH_NOARGS, "Counters of the CPU output cache."},

@@ -1,7 +1,8 @@
 """Running a test script once per compiled ISA copy of the CPU kernels.
 
-The kernels are compiled three times (default, AVX2, AVX512) and the copy is
-chosen at import from ``ATEN_CPU_CAPABILITY``, so each copy needs a process
+The kernels are compiled once per instruction set (default, AVX2, AVX512:
+those setup.py built) and the copy is chosen at import from
+``ATEN_CPU_CAPABILITY``, so each copy needs a process
 of its own: the script runs in a subprocess per ISA this CPU supports and
 prints one JSON object, which must name the ISA that ran (``"isa"``, from
 ``torch_bn_grad.cpu_kernel_isa()``)."""
@@ -15,13 +16,17 @@ import sys
 
 import torch
 
+import torch_bn_grad
+
 _ORDER = ["default", "avx2", "avx512"]
 
 
 def capabilities() -> list[str]:
-    """The ISA copies this CPU can run, the scalar default first."""
+    """The compiled ISA copies this CPU can run, the scalar default first."""
     supported = torch.backends.cpu.get_cpu_capability().lower()
-    return _ORDER[: _ORDER.index(supported) + 1] if supported in _ORDER else ["default"]
+    runnable = _ORDER[: _ORDER.index(supported) + 1] if supported in _ORDER else ["default"]
+    compiled = {isa.lower() for isa in torch_bn_grad.compiled_cpu_kernel_isas()}
+    return [isa for isa in runnable if isa in compiled]
 
 
 def run_on_every_isa(script: str, env: dict[str, str] | None = None) -> dict[str, dict]:

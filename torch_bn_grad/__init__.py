@@ -48,3 +48,9 @@ _inductor.install()  # torch.compile (inductor): the operators' lowering, see to
 def cpu_kernel_isa() -> str:
     """Instruction set of the CPU kernels in use: ``"DEFAULT"``, ``"AVX2"`` or ``"AVX512"``."""
     return _C.cpu_kernel_isa()
+
+
+def compiled_cpu_kernel_isas() -> tuple[str, ...]:
+    """Instruction sets the CPU kernels were compiled for, ``"DEFAULT"`` first
+    (``TORCH_BN_GRAD_CPU_ISA`` at build time; by default those the building CPU runs)."""
+    return tuple(_C.compiled_cpu_kernel_isas().split(","))

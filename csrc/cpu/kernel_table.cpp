@@ -1,8 +1,10 @@
 // Picks the kernels compiled for the running CPU, once: the copy
 // at::get_cpu_capability() names (ATEN_CPU_CAPABILITY honoured, as by ATen's
-// own kernels), the plain and the fused operators' alike.
+// own kernels), the plain, fused and masked operators' alike; DEFAULT where
+// that copy was not compiled (setup.py, TORCH_BN_GRAD_CPU_ISA).
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/kernels/act_kernel_table.h"
+#include "cpu/kernels/masked_kernel_table.h"
 
 #include <string>
 
@@ -26,11 +28,19 @@ const Table& for_running_cpu(TableCopy<Table> default_copy, TableCopy<Table> avx
   return default_copy();
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define TBG_COMPILED_COPIES(table) &table##_DEFAULT, &table##_AVX2, &table##_AVX512
+// The copies setup.py compiled: DEFAULT always, the others as it names them
+// (TORCH_BN_GRAD_CPU_<ISA>).
+#if defined(TORCH_BN_GRAD_CPU_AVX2)
+#define TBG_AVX2_COPY(table) &table##_AVX2
 #else
-#define TBG_COMPILED_COPIES(table) &table##_DEFAULT, nullptr, nullptr
+#define TBG_AVX2_COPY(table) nullptr
 #endif
+#if defined(TORCH_BN_GRAD_CPU_AVX512)
+#define TBG_AVX512_COPY(table) &table##_AVX512
+#else
+#define TBG_AVX512_COPY(table) nullptr
+#endif
+#define TBG_COMPILED_COPIES(table) &table##_DEFAULT, TBG_AVX2_COPY(table), TBG_AVX512_COPY(table)
 
 }  // namespace
 
@@ -44,6 +54,22 @@ const ActKernelTable& act_kernel_table() {
   return table;
 }
 
+const MaskedKernelTable& masked_kernel_table() {
+  static const MaskedKernelTable& table = for_running_cpu<MaskedKernelTable>(TBG_COMPILED_COPIES(masked_kernel_table));
+  return table;
+}
+
 }  // namespace torch_bn_grad::cpu
 
 const char* torch_bn_grad::cpu_kernel_isa() { return cpu::kernel_table().isa; }
+
+const char* torch_bn_grad::compiled_cpu_kernel_isas() {
+  return "DEFAULT"
+#if defined(TORCH_BN_GRAD_CPU_AVX2)
+         ",AVX2"
+#endif
+#if defined(TORCH_BN_GRAD_CPU_AVX512)
+         ",AVX512"
+#endif
+      ;
+}

@@ -10,23 +10,10 @@
 
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
-#include "cpu/kernels/kernel_table.h"
 #include "cpu/kernels/masked_kernel_table.h"
 #include "args/masked_layout.h"
 
 namespace torch_bn_grad::cpu {
-
-const MaskedKernelTable& masked_kernel_table() {
-  static const MaskedKernelTable& table = []() -> const MaskedKernelTable& {
-#if defined(__x86_64__) || defined(_M_X64)
-    const std::string isa = kernel_table().isa;  // the same copy as the plain kernels'
-    if (isa == "AVX512") return masked_kernel_table_AVX512();
-    if (isa == "AVX2") return masked_kernel_table_AVX2();
-#endif
-    return masked_kernel_table_DEFAULT();
-  }();
-  return table;
-}
 
 namespace {
 
