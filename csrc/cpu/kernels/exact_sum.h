@@ -19,6 +19,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu/kernels/vec_io.h"
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -109,30 +111,23 @@ C10_ALWAYS_INLINE double tree_total(__m256d a4) {
 
 template <typename acc_t, int N>
 C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N], const at::vec::Vectorized<acc_t> (&err)[N]) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using VD = at::vec::Vectorized<double>;
+    VD lo(0.0), hi(0.0);  // the float lanes' lower and upper halves
+    for (int c = 0; c < N; ++c) {
+      VD s_lo, s_hi, r_lo, r_hi;
+      widen(sum[c], s_lo, s_hi);
+      widen(err[c], r_lo, r_hi);
+      lo = lo + (s_lo + r_lo);
+      hi = hi + (s_hi + r_hi);
+    }
+    const VD a = lo + hi;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();  // lanes 0-7 and 8-15
-    for (int c = 0; c < N; ++c) {
-      const __m512 s = sum[c], r = err[c];
-      lo = _mm512_add_pd(lo, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
-                                           _mm512_cvtps_pd(_mm512_castps512_ps256(r))));
-      hi = _mm512_add_pd(hi, _mm512_add_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))),
-                                           _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)))));
-    }
-    const __m512d a8 = _mm512_add_pd(lo, hi);
-    return tree_total(_mm256_add_pd(_mm512_castpd512_pd256(a8), _mm512_extractf64x4_pd(a8, 1)));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  // lanes 0-3 and 4-7
-    for (int c = 0; c < N; ++c) {
-      const __m256 s = sum[c], r = err[c];
-      lo = _mm256_add_pd(lo, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(s)),
-                                           _mm256_cvtps_pd(_mm256_castps256_ps128(r))));
-      hi = _mm256_add_pd(hi, _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)),
-                                           _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1))));
-    }
-    return tree_total(_mm256_add_pd(lo, hi));
+    return tree_total(_mm256_add_pd(_mm512_castpd512_pd256(a), _mm512_extractf64x4_pd(a, 1)));
+#else
+    return tree_total(a);
+#endif
   }
 #endif
   return lanes_total_generic(sum, err);

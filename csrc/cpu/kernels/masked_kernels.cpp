@@ -48,24 +48,6 @@ constexpr int64_t kBlockRows = 256;
 // Elements a task of the elementwise pass takes at least.
 constexpr int64_t kGrainElements = 32768;
 
-// The lower and upper halves of f as float64 vectors.
-inline void widen(const VF& f, VD& lo, VD& hi) {
-#if defined(CPU_CAPABILITY_AVX512)
-  lo = VD(_mm512_cvtps_pd(_mm512_castps512_ps256(f)));
-  hi = VD(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  lo = VD(_mm256_cvtps_pd(_mm256_castps256_ps128(f)));
-  hi = VD(_mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
-#else
-  float lanes[VF::size()];
-  f.store(lanes);
-  double wide[VF::size()];
-  for (int64_t i = 0; i < VF::size(); ++i) wide[i] = lanes[i];
-  lo = VD::loadu(wide);
-  hi = VD::loadu(wide + VD::size());
-#endif
-}
-
 // kStep elements of float, float16 or bfloat16 data as four float64 vectors, in memory order.
 template <typename T>
 inline void load_step(const T* p, VD (&w)[4]) {

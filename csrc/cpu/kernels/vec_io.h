@@ -173,6 +173,25 @@ struct Io {
 #endif
 };
 
+// f's lower and upper halves as float64 vectors, lanes in order.
+C10_ALWAYS_INLINE void widen(const Vectorized<float>& f, Vectorized<double>& lo, Vectorized<double>& hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+  hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+#else
+  constexpr int64_t kHalf = Vectorized<double>::size();
+  alignas(64) float lanes[2 * kHalf];
+  alignas(64) double wide[2 * kHalf];
+  f.store(lanes);
+  for (int64_t i = 0; i < 2 * kHalf; ++i) wide[i] = lanes[i];
+  lo = Vectorized<double>::loadu(wide);
+  hi = Vectorized<double>::loadu(wide + kHalf);
+#endif
+}
+
 // The names the kernels over T (plane_kernels.h, row_*.h) declare: T's Io,
 // its accumulation type and vector, the lanes of a vector (W), the elements
 // of a chunk (K) and its vectors (P).
