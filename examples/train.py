@@ -4,7 +4,7 @@
 library's; the model then trains as before, on built-in synthetic data (no
 download). Prints the loss and test accuracy per epoch.
 
-    python examples/train.py [--epochs 4] [--batch-size 64] [--threads N]
+    python examples/train.py [--epochs 3] [--batch-size 64] [--threads N]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from common import fit, options, setup  # this script's directory
 
 
 def main() -> None:
-    s = setup(options(__doc__, default_epochs=4).parse_args())
+    s = setup(options(__doc__, default_epochs=3).parse_args())
     model = torch_bn_grad.convert_batchnorm(s.reference)
     n_bn = sum(type(m).__module__ == "torch_bn_grad.nn" for m in model.modules())
     print(f"model: {sum(p.numel() for p in model.parameters())} parameters, {n_bn} torch_bn_grad BatchNorm layers")
