@@ -1,6 +1,7 @@
 """Masked batch norm (padded batches): equal to gather -> float64 batch norm ->
 scatter, whatever the padding holds or how long it is, for every dtype and
-layout, in the functional form, the modules and the operators."""
+layout, in the functional form, the modules and the operators; on the CPU and,
+where one is available, on CUDA (the ``device`` fixture, conftest.py)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def run_masked(x, mask, weight, bias, dy, eps=1e-5):
     return dst, mean, var, count, x.grad, w.grad, b.grad
 
 
+def on(device, *tensors):
+    return tuple(t.to(device) for t in tensors)
+
+
 def run_reference(x, mask, weight, bias, dy, eps=1e-5):
     x = x.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
@@ -75,11 +80,11 @@ def close(actual, expected, dtype, scale=1.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,layout", LAYOUTS)
 @pytest.mark.parametrize("random_mask", [False, True])
-def test_matches_gathered_float64_batch_norm(dtype, shape, layout, random_mask):
-    x, mask = padded_batch(shape, dtype, seed=1, offset=3.0, random_mask=random_mask)
+def test_matches_gathered_float64_batch_norm(device, dtype, shape, layout, random_mask):
+    x, mask = on(device, *padded_batch(shape, dtype, seed=1, offset=3.0, random_mask=random_mask))
     x = laid_out(x, layout)
-    weight, bias = parameters(shape[1], dtype)
-    dy = laid_out(torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype), layout)
+    weight, bias = on(device, *parameters(shape[1], dtype))
+    dy = laid_out(torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device, dtype), layout)
     ours = run_masked(x, mask, weight, bias, dy)
     ref = run_reference(x, mask, weight, bias, dy)
     dst, mean, var, count, dx, dw, db = ours
@@ -98,12 +103,12 @@ def test_matches_gathered_float64_batch_norm(dtype, shape, layout, random_mask):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_two_dim_input_with_a_mask_per_sample(dtype):
+def test_two_dim_input_with_a_mask_per_sample(device, dtype):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(37, 9, generator=g).to(dtype)
-    mask = torch.rand(37, generator=g) < 0.7
-    weight, bias = parameters(9, dtype)
-    dy = torch.randn(37, 9, generator=g).to(dtype)
+    x = torch.randn(37, 9, generator=g).to(device, dtype)
+    mask = (torch.rand(37, generator=g) < 0.7).to(device)
+    weight, bias = on(device, *parameters(9, dtype))
+    dy = torch.randn(37, 9, generator=g).to(device, dtype)
     ours, ref = run_masked(x, mask, weight, bias, dy), run_reference(x, mask, weight, bias, dy)
     for a, e, scale in zip(ours[:3] + ours[4:], ref[:3] + ref[4:], (1, 1, 1, 4, 6, 6)):
         close(a, e, dtype, scale)
@@ -113,7 +118,7 @@ def test_two_dim_input_with_a_mask_per_sample(dtype):
 @pytest.mark.parametrize("shape,layout", [((4, 6, 37), "contiguous"), ((4, 6, 37), "transposed"),
                                           ((3, 5, 9, 4), "channels_last"), ((5, 7), "contiguous")])
 @pytest.mark.parametrize("pad_value", [float("nan"), float("inf"), -float("inf"), 1e30])
-def test_padding_content_changes_nothing(dtype, shape, layout, pad_value):
+def test_padding_content_changes_nothing(device, dtype, shape, layout, pad_value):
     """NaN, inf or 1e30 in the padding (of the input and of the upstream gradient) give
     bitwise the results of zeros there: outputs, gradients, running statistics."""
     if len(shape) == 2:
@@ -122,15 +127,16 @@ def test_padding_content_changes_nothing(dtype, shape, layout, pad_value):
         mask = torch.rand(shape[0], generator=g) < 0.6
     else:
         x0, mask = padded_batch(shape, dtype, seed=4)
+    x0, mask = on(device, x0, mask)
     valid = mask.unsqueeze(1).expand(shape)
     x0 = laid_out(x0, layout)
-    dy0 = laid_out(torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype), layout)
+    dy0 = laid_out(torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(device, dtype), layout)
     results = []
     for value in (0.0, pad_value):
         x = laid_out(torch.where(valid, x0, value), layout)
         dy = laid_out(torch.where(valid, dy0, value), layout)
         m = torch_bn_grad.nn.BatchNorm1d(shape[1]) if len(shape) <= 3 else torch_bn_grad.nn.BatchNorm2d(shape[1])
-        m = m.to(stats_dtype(dtype))
+        m = m.to(device, stats_dtype(dtype))
         xr = x.detach().requires_grad_()
         out = m(xr, mask)
         out.backward(dy)
@@ -139,19 +145,18 @@ def test_padding_content_changes_nothing(dtype, shape, layout, pad_value):
         assert torch.equal(a, b)
 
 
-def test_padding_length_changes_nothing():
+def test_padding_length_changes_nothing(device):
     """The same sequences padded to 30 or to 64 frames: the same results (within rounding)."""
     g = torch.Generator().manual_seed(6)
     lengths = [30, 11, 23, 17]
-    x30 = torch.randn(4, 8, 30, generator=g)
-    dy30 = torch.randn(4, 8, 30, generator=g)
-    mask30 = lengths_mask(lengths, 30)
+    x30, dy30, mask30 = on(device, torch.randn(4, 8, 30, generator=g), torch.randn(4, 8, 30, generator=g),
+                           lengths_mask(lengths, 30))
     x64 = torch.nn.functional.pad(x30, (0, 34), value=5.0)
     dy64 = torch.nn.functional.pad(dy30, (0, 34), value=-7.0)
-    mask64 = lengths_mask(lengths, 64)
+    mask64 = lengths_mask(lengths, 64).to(device)
     outs = []
     for x, dy, mask in ((x30, dy30, mask30), (x64, dy64, mask64)):
-        m = torch_bn_grad.nn.BatchNorm1d(8)
+        m = torch_bn_grad.nn.BatchNorm1d(8).to(device)
         xr = x.clone().requires_grad_()
         out = m(xr, mask)
         out.backward(dy)
@@ -161,12 +166,12 @@ def test_padding_length_changes_nothing():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_batch_without_valid_positions(dtype):
+def test_a_batch_without_valid_positions(device, dtype):
     """Zeros out, zero gradients, running statistics untouched, nothing raised."""
-    x = torch.randn(3, 4, 10).to(dtype)
+    x = torch.randn(3, 4, 10).to(device, dtype)
     x[0, 0, 0] = float("nan")
-    mask = torch.zeros(3, 10, dtype=torch.bool)
-    m = torch_bn_grad.nn.BatchNorm1d(4).to(stats_dtype(dtype))
+    mask = torch.zeros(3, 10, dtype=torch.bool, device=device)
+    m = torch_bn_grad.nn.BatchNorm1d(4).to(device, stats_dtype(dtype))
     with torch.no_grad():
         m.running_mean.fill_(0.25)
         m.running_var.fill_(2.0)
@@ -181,23 +186,23 @@ def test_a_batch_without_valid_positions(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_running_statistics_match_torch_on_the_gathered_batch(dtype, momentum):
+def test_running_statistics_match_torch_on_the_gathered_batch(device, dtype, momentum):
     """Module training steps: running statistics as torch's BatchNorm1d on the valid
     positions alone (unbiased variance of the valid count), then eval outputs."""
-    ours = torch_bn_grad.nn.BatchNorm1d(6, momentum=momentum).to(stats_dtype(dtype))
+    ours = torch_bn_grad.nn.BatchNorm1d(6, momentum=momentum).to(device, stats_dtype(dtype))
     ref = torch.nn.BatchNorm1d(6, momentum=momentum).double()
     for step in range(3):
         x, mask = padded_batch((5, 6, 33), dtype, seed=10 + step, offset=2.0)
-        ours(x, mask)
+        ours(*on(device, x, mask))
         ref(x.double().movedim(1, -1)[mask])  # (valid, C)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype != torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(ours.running_mean.double(), ref.running_mean, **tol)
-    torch.testing.assert_close(ours.running_var.double(), ref.running_var, **tol)
+    torch.testing.assert_close(ours.running_mean.double().cpu(), ref.running_mean, **tol)
+    torch.testing.assert_close(ours.running_var.double().cpu(), ref.running_var, **tol)
     assert ours.num_batches_tracked.item() == 3
     ours.eval()
     ref.eval()
     x, mask = padded_batch((5, 6, 33), dtype, seed=20, pad_value=float("nan"))
-    out = ours(x, mask)
+    out = ours(*on(device, x, mask)).cpu()
     expected = torch.zeros(x.shape, dtype=torch.float64).movedim(1, -1)
     expected[mask] = ref(x.double().movedim(1, -1)[mask])
     close(out, expected.movedim(-1, 1), dtype, 2.0)
@@ -205,22 +210,22 @@ def test_running_statistics_match_torch_on_the_gathered_batch(dtype, momentum):
 
 @pytest.mark.parametrize("module", [torch_bn_grad.nn.BatchNorm1d, torch_bn_grad.nn.BatchNorm2d,
                                     torch_bn_grad.nn.BatchNorm3d, torch_bn_grad.nn.SyncBatchNorm])
-def test_modules_take_a_mask(module):
+def test_modules_take_a_mask(device, module):
     rank = {torch_bn_grad.nn.BatchNorm2d: 4, torch_bn_grad.nn.BatchNorm3d: 5}.get(module, 3)
     shape = (3, 4, 12, 3, 2)[:rank]
-    x, mask = padded_batch(shape, torch.float32, seed=7)
-    m = module(4)
+    x, mask = on(device, *padded_batch(shape, torch.float32, seed=7))
+    m = module(4).to(device)
     out = m(x, mask)
     expected = gathered_forward(x, mask, m.weight, m.bias, m.eps)[0]
     torch.testing.assert_close(out.double(), expected.detach(), atol=5e-5, rtol=5e-5)
 
 
 @pytest.mark.parametrize("activation", ["relu", "leaky_relu", "silu", "identity"])
-def test_fused_modules_give_zero_at_padding_whatever_the_residual(activation):
-    x, mask = padded_batch((3, 4, 20), torch.float32, seed=8)
-    residual = torch.randn(3, 4, 20)
+def test_fused_modules_give_zero_at_padding_whatever_the_residual(device, activation):
+    x, mask = on(device, *padded_batch((3, 4, 20), torch.float32, seed=8))
+    residual = torch.randn(3, 4, 20).to(device)
     residual_nan = torch.where(mask.unsqueeze(1), residual, float("nan"))
-    m = torch_bn_grad.nn.BatchNormAct1d(4, activation=activation)
+    m = torch_bn_grad.nn.BatchNormAct1d(4, activation=activation).to(device)
     xr = x.clone().requires_grad_()
     rr = residual_nan.clone().requires_grad_()
     out = m(xr, rr, mask=mask)
