@@ -46,6 +46,9 @@ _MODEL_WIDTH = max(len(name) for name in MODELS)
 MODES = ("train", "eval")
 LAYOUTS = ("contiguous", "channels_last")
 EXECUTIONS = ("eager", "compile")
+# CUDA only: the eager step captured whole with torch.cuda.graph and replayed,
+# and torch.compile(mode="reduce-overhead") (inductor's CUDA graph trees).
+CUDA_GRAPH_EXECUTIONS = ("cuda-graph", "reduce-overhead")
 
 
 @dataclass
@@ -112,29 +115,57 @@ def under_autocast(run: Callable, device_type: str, autocast: Optional[str]) -> 
     return forward
 
 
-def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor,
-             autocast: Optional[str] = None) -> Callable:
-    """One iteration, finished on the device (a CUDA step waits for its kernels);
-    with `autocast` (a dtype's name) the forward runs under torch.autocast, as
-    mixed-precision training runs it."""
-    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+def _step_body(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor,
+               autocast: Optional[str] = None) -> Callable:
+    """One iteration, not waited for; with `autocast` (a dtype's name) the
+    forward runs under torch.autocast, as mixed-precision training runs it."""
     forward = under_autocast(run, x.device.type, autocast)
     if mode == "eval":
-        def step() -> None:
+        def evaluate() -> None:
             with torch.no_grad():
                 forward(x)
-            wait()
-        return step
+        return evaluate
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-    def step() -> None:
+    def train() -> None:
+        # Under capture the gradients come from the graph's pool and stay there.
         loss = torch.nn.functional.cross_entropy(forward(x).float(), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        wait()
 
-    return step
+    return train
+
+
+def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor,
+             autocast: Optional[str] = None, graphed: bool = False) -> Callable:
+    """One iteration (_step_body), finished on the device (a CUDA step waits
+    for its kernels). `graphed`: the iteration is captured once with
+    torch.cuda.graph, after warm-up steps on a side stream (torch's
+    whole-network recipe), and each step replays it."""
+    body = _step_body(model, run, mode, x, target, autocast)
+    if not x.is_cuda:
+        return body
+    if not graphed:
+        def step() -> None:
+            body()
+            torch.cuda.synchronize()
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+
+    def replay() -> None:
+        graph.replay()
+        torch.cuda.synchronize()
+
+    return replay
 
 
 def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int, resolution: int,
@@ -149,8 +180,10 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
         # The default converts timm's BatchNormAct2d too.
         return torch_bn_grad.convert_batchnorm(copy.deepcopy(native), **kwargs)
 
+    if execution in CUDA_GRAPH_EXECUTIONS and device != "cuda":
+        raise SystemExit(f"--executions {execution} needs --device cuda")
     variants = {"native": native, "ours": converted()}
-    compiled = execution == "compile"
+    compiled = execution in ("compile", "reduce-overhead")
     if compiled and opaque:
         variants["opaque"] = converted()
     if fuse:
@@ -164,9 +197,9 @@ def run_case(model_name: str, mode: str, layout: str, execution: str, batch: int
             run = model
         elif name == "opaque":
             run = torch.compile(model, backend=_opaque_inductor)
-        else:
-            run = torch.compile(model)  # the default backend, inductor
-        steps[name] = _step_fn(model, run, mode, x, target, autocast)
+        else:  # the default backend, inductor
+            run = torch.compile(model, mode="reduce-overhead" if execution == "reduce-overhead" else None)
+        steps[name] = _step_fn(model, run, mode, x, target, autocast, graphed=execution == "cuda-graph")
         for _ in range(warmup):
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -256,7 +289,7 @@ def plot(results: list[ModelResult], path: str) -> None:
     title = (f"{results[0].model} batch {results[0].batch}, {results[0].resolution}x{results[0].resolution}: "
              f"torch_bn_grad vs torch {torch.__version__}") if results else "no cases"
     _plot.plot_speedups(points, path, title, colours={"ours": "tab:blue", "fused": "tab:green", "opaque": "tab:purple"},
-                        markers={"eager": "o", "compile": "s"})
+                        markers={"eager": "o", "compile": "s", "cuda-graph": "^", "reduce-overhead": "D"})
 
 
 def add_arguments(parser) -> None:
@@ -270,7 +303,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--rounds", type=int, default=5, help="rounds alternating the variants")
     group.add_argument("--warmup", type=int, default=2, help="untimed iterations (compilation included)")
     group.add_argument("--modes", default=",".join(MODES))
-    group.add_argument("--executions", default=",".join(EXECUTIONS), help="eager, compile (torch.compile, inductor)")
+    group.add_argument("--executions", default=",".join(EXECUTIONS), help="eager, compile (torch.compile, inductor); on CUDA also cuda-graph (the eager "
+                       "step captured with torch.cuda.graph) and reduce-overhead (torch.compile's CUDA graphs)")
     group.add_argument("--num-classes", type=int, default=1000)
     group.add_argument("--opaque", action="store_true",
                        help="compiled cases also time ours with torch_bn_grad.config.compile_lowering off")
