@@ -26,6 +26,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 try:
     import torch
@@ -36,6 +37,11 @@ except ImportError:
         "Install torch first (pip install -r requirements-build.txt), then: "
         "pip install --no-build-isolation -e .") from None
 from setuptools import find_packages, setup
+from setuptools.warnings import InformationOnly
+
+# setuptools' note on every editable install that a folder named like the
+# package may shadow it: here the checkout's torch_bn_grad/ is the package.
+warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
 
 # torch.utils.cpp_extension warns at import, where no GPU is visible, that it
 # guessed CUDA_HOME; cuda_build.py finds the toolkit itself and says in one
