@@ -1,7 +1,7 @@
 // CPU masked operators (batch_norm_masked_forward / _backward): check, lay
 // the data out (masked_layout.h), find the valid positions once, then the
-// masked kernels (cpu/kernels/masked_kernels.cpp) with the per-channel
-// formulas of batch_norm_math.h in float64.
+// masked kernels (cpu/kernels/masked_kernels.cpp), handing them the
+// per-channel formulas of batch_norm_math.h in float64 as their finish.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
