@@ -12,6 +12,7 @@ import torch
 
 import torch_bn_grad
 from torch_bn_grad import functional as F
+from isa_runs import run_on_every_isa
 from masked_reference import gathered_forward, lengths_mask, padded_batch
 from reference import DTYPES, TOLERANCES, stats_dtype
 
@@ -269,6 +270,32 @@ def test_results_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# float64 data of short planes: the kernels run each channel's pass right
+# after its sums, or a run of channels at a time (forced here by
+# TORCH_BN_GRAD_CHANNEL_RUNS_MB=0); the compensated sums must not depend on it.
+_SCHEDULE_SCRIPT = """
+import hashlib, json, torch, torch_bn_grad
+g = torch.Generator().manual_seed(3)
+x = torch.randn(8, 64, 16, generator=g, dtype=torch.float64) * 3 + 1
+dy = torch.randn(8, 64, 16, generator=g, dtype=torch.float64)
+mask = torch.arange(16)[None, :] < torch.tensor([16, 5, 9, 16, 1, 12, 7, 16])[:, None]
+w = torch.rand(64, generator=g, dtype=torch.float64) + 0.5
+b = torch.randn(64, generator=g, dtype=torch.float64)
+ops = torch.ops.torch_bn_grad
+dst, mean, var, _ = ops.batch_norm_masked_forward(x, mask, w, b, None, None, 1e-5)
+grads = ops.batch_norm_masked_backward(x, mask, dy, mean, var, w, 1e-5, True, [True, True, True])
+digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in (dst, mean, var, *grads))).hexdigest()
+print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "digest": digest}))
+"""
+
+
+def test_float64_results_do_not_depend_on_the_schedule():
+    default = run_on_every_isa(_SCHEDULE_SCRIPT)
+    runs = run_on_every_isa(_SCHEDULE_SCRIPT, env={"TORCH_BN_GRAD_CHANNEL_RUNS_MB": "0"})
+    for isa, run in runs.items():
+        assert run["digest"] == default[isa]["digest"], isa
 
 
 def test_errors_name_the_argument_and_change_nothing():

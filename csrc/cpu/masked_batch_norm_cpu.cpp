@@ -1,7 +1,7 @@
 // CPU masked operators (batch_norm_masked_forward / _backward): check, lay
 // the data out (masked_layout.h), find the valid positions once, then the
-// masked kernels (cpu/kernels/masked_kernels.cpp) with the per-channel
-// formulas of batch_norm_math.h in float64.
+// masked kernels (cpu/kernels/masked_kernels.cpp), handing them the
+// per-channel formulas of batch_norm_math.h in float64 as their finish.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -105,20 +105,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
   if (frozen) {
     mean_d = channel_values(mean, C, 0.0);
     var_d = channel_values(variance, C, 0.0);
-  } else if (valid.count > 0) {
-    masked_kernel_table().moments(layout.data, v, mean_d.data(), var_d.data());
   }
   at::Tensor dst = masked_output(src, layout);
-  if (src.numel() > 0) {
-    const std::vector<double> gamma_d = channel_values(gamma, C, 1.0), beta_d = channel_values(beta, C, 0.0);
-    std::vector<double> scale(C), shift(C);
-    for (int64_t c = 0; c < C; ++c) {
-      const auto f = math::forward_coefficients(var_d[c], gamma_d[c], beta_d[c], epsilon);
-      scale[c] = f.scale;
-      shift[c] = f.shift;
-    }
-    masked_kernel_table().affine(layout.data, at::Tensor(), dst, v, mean_d.data(), nullptr, scale.data(),
-                                 shift.data());
+  const std::vector<double> gamma_d = channel_values(gamma, C, 1.0), beta_d = channel_values(beta, C, 0.0);
+  auto coefficients = [&](int64_t c) -> MaskedChannelAffine {
+    const auto f = math::forward_coefficients(var_d[c], gamma_d[c], beta_d[c], epsilon);
+    return {mean_d[c], {0.0, f.scale, f.shift}};
+  };
+  if (!frozen && valid.count > 0) {
+    masked_kernel_table().forward(layout.data, dst, v, [&](int64_t c, const math::Moments<double>& m) {
+      mean_d[c] = m.mean;
+      var_d[c] = math::variance_of(m);
+      return coefficients(c);
+    });
+  } else if (src.numel() > 0) {
+    masked_kernel_table().affine(layout.data, at::Tensor(), dst, v, coefficients);
   }
   if (frozen) return {dst, mean->clone(), variance->clone(), count_tensor(valid.count)};
   return {dst, channel_tensor(mean_d, stats_dtype), channel_tensor(var_d, stats_dtype), count_tensor(valid.count)};
@@ -137,33 +138,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
   const std::vector<double> mean_d = channel_values(mean, C, 0.0), var_d = channel_values(variance, C, 0.0),
                             gamma_d = channel_values(gamma, C, 1.0);
 
-  std::vector<double> sum_dy(C, 0.0), sum_dy_xc(C, 0.0);
-  const bool needs_sums = output_mask[1] || output_mask[2] || (training && output_mask[0]);
-  if (needs_sums && valid.count > 0) {
-    masked_kernel_table().grad_sums(layout.data, dy, v, mean_d.data(), sum_dy.data(), sum_dy_xc.data());
-  }
-  std::vector<double> rstd(C), dy_scale(C), x_scale(C), bias(C), diff_gamma(C), diff_beta(C);
-  for (int64_t c = 0; c < C; ++c) {
-    rstd[c] = math::rstd_of(var_d[c], epsilon);
-    const math::GradSums<double> sums{sum_dy[c], sum_dy_xc[c]};
-    const auto k = math::backward_coefficients(rstd[c], gamma_d[c], sums, static_cast<double>(valid.count), training);
-    dy_scale[c] = k.dy_scale;
-    x_scale[c] = k.x_scale;
-    bias[c] = k.bias;
-    const auto p = math::parameter_grads(rstd[c], sums);
+  std::vector<double> diff_gamma(C), diff_beta(C);
+  const double count = static_cast<double>(valid.count);
+  // A channel's parameter gradients (kept) and its pass's coefficients.
+  auto finish = [&](int64_t c, const math::GradSums<double>& sums) -> MaskedChannelAffine {
+    const double rstd = math::rstd_of(var_d[c], epsilon);
+    const auto p = math::parameter_grads(rstd, sums);
     diff_gamma[c] = p.diff_gamma;
     diff_beta[c] = p.diff_beta;
-  }
-  at::Tensor diff_src = at::empty({0}, src.options());
-  if (output_mask[0]) {
-    diff_src = masked_output(src, layout);
-    if (src.numel() > 0) {
-      masked_kernel_table().affine(layout.data, dy, diff_src, v, mean_d.data(), dy_scale.data(), x_scale.data(),
-                                   bias.data());
+    return {mean_d[c], math::backward_coefficients(rstd, gamma_d[c], sums, count, training)};
+  };
+  at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::Tensor();
+  const bool needs_sums = output_mask[1] || output_mask[2] || (training && output_mask[0]);
+  if (needs_sums && valid.count > 0) {
+    masked_kernel_table().backward(layout.data, dy, diff_src, v, mean_d.data(), finish);
+  } else {
+    std::vector<MaskedChannelAffine> k(C);
+    for (int64_t c = 0; c < C; ++c) k[c] = finish(c, math::GradSums<double>{0.0, 0.0});
+    if (output_mask[0] && src.numel() > 0) {
+      masked_kernel_table().affine(layout.data, dy, diff_src, v, [&](int64_t c) { return k[c]; });
     }
   }
   const auto stats_dtype = mean.scalar_type();
-  return {diff_src, output_mask[1] ? channel_tensor(diff_gamma, stats_dtype) : at::empty({0}, mean.options()),
+  return {output_mask[0] ? diff_src : at::empty({0}, src.options()),
+          output_mask[1] ? channel_tensor(diff_gamma, stats_dtype) : at::empty({0}, mean.options()),
           output_mask[2] ? channel_tensor(diff_beta, stats_dtype) : at::empty({0}, mean.options())};
 }
 

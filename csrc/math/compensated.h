@@ -35,7 +35,17 @@ TBG_HOST_DEVICE A mul_rn(A a, A b) {
     return __dmul_rn(a, b);
   }
 #else
-  return a * b;
+  // GCC contracts a * b + c into an FMA by default in C++ (-ffp-contract=fast)
+  // where the ISA has one (the AVX2 and AVX512 kernels), depending on how the
+  // caller is inlined; an empty asm on the product keeps it rounded, so that
+  // the sums do not depend on the caller (the masked kernels' schedules).
+  A p = a * b;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(p));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(p));
+#endif
+  return p;
 #endif
 }
 

@@ -8,12 +8,20 @@
 // positions of each outer index come as runs along inner, or rows (channels
 // last, and 2-D data: inner == 1), where an outer index (a row of channels) is
 // valid or not. Padded positions are never read.
+//
+// A training pass reduces each channel, asks the operator's finish for the
+// channel's coefficients, and runs the elementwise pass with them; the
+// kernels pick the order (planes: a channel, or a run of channels, at a time,
+// the pass following while the channel is in cache). The formulas stay with
+// the operator.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/FunctionRef.h>
 
 #include <cstdint>
 
+#include "math/batch_norm_math.h"
 #include "math/extent.h"
 
 namespace torch_bn_grad::cpu {
@@ -34,18 +42,35 @@ struct MaskedView {
   int64_t first_inner;
 };
 
+// A channel's elementwise pass in float64: out = k.dy_scale * dy +
+// k.x_scale * (x - mean) + k.bias at valid positions (without dy:
+// k.x_scale * (x - mean) + k.bias), 0 at padded ones. The kernels round it
+// by math::channel_affine.
+struct MaskedChannelAffine {
+  double mean;
+  math::BackwardCoefficients<double> k;
+};
+
+// The operator's per-channel step between a reduction and the elementwise
+// pass: a channel's coefficients from its sums (it may keep results of its
+// own, such as the statistics). Called once per channel, from any thread.
+using MaskedMomentsFinish = c10::function_ref<MaskedChannelAffine(int64_t channel, const math::Moments<double>&)>;
+using MaskedGradFinish = c10::function_ref<MaskedChannelAffine(int64_t channel, const math::GradSums<double>&)>;
+// A channel's coefficients where no reduction precedes the pass.
+using MaskedCoefficients = c10::function_ref<MaskedChannelAffine(int64_t channel)>;
+
 struct MaskedKernelTable {
-  // Mean and biased variance of each channel's valid values (count > 0).
-  void (*moments)(const at::Tensor& src, const MaskedView& v, double* mean, double* var);
-  // sum(dy) and sum(dy * (x - mean)) over each channel's valid positions.
-  void (*grad_sums)(const at::Tensor& src, const at::Tensor& diff_dst, const MaskedView& v, const double* mean,
-                    double* sum_dy, double* sum_dy_xc);
-  // out = dy_scale * dy + x_scale * (x - mean) + bias at valid positions
-  // (without dy, when diff_dst is undefined: x_scale * (x - mean) + bias), 0 at
-  // padded ones; the per-channel coefficients as math::BackwardCoefficients,
-  // rounded by math::channel_affine.
+  // The training forward (count > 0): each channel's moments over its valid
+  // values, finish, and the pass without dy into `out`.
+  void (*forward)(const at::Tensor& src, at::Tensor& out, const MaskedView& v, MaskedMomentsFinish finish);
+  // The backward's sums (count > 0): sum(dy) and sum(dy * (x - mean[c])) over
+  // each channel's valid positions, finish, and the pass with dy into `out`
+  // where `out` is defined.
+  void (*backward)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
+                   const double* mean, MaskedGradFinish finish);
+  // The pass alone (with dy where diff_dst is defined).
   void (*affine)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
-                 const double* mean, const double* dy_scale, const double* x_scale, const double* bias);
+                 MaskedCoefficients coefficients);
 };
 
 const MaskedKernelTable& masked_kernel_table();
