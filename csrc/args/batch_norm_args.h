@@ -113,6 +113,10 @@ struct KernelOutput {
 };
 KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan,
                                 c10::Allocator* allocator = nullptr);
+// An uninitialized tensor of `like`'s dtype and device with these sizes and
+// strides, its memory from `allocator` (a CPU allocator) when given.
+at::Tensor empty_output(c10::IntArrayRef sizes, c10::IntArrayRef strides, const at::Tensor& like,
+                        c10::Allocator* allocator);
 void finish_kernel_output(KernelOutput& out, const ChannelPlan& plan);
 
 // A per-channel tensor (stats_shape) as a contiguous 1-D tensor of `dtype` in

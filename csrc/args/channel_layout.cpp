@@ -34,6 +34,13 @@ at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {
   return t.permute(plan.permutation).contiguous();
 }
 
+at::Tensor empty_output(c10::IntArrayRef sizes, c10::IntArrayRef strides, const at::Tensor& like,
+                        c10::Allocator* allocator) {
+  if (allocator == nullptr) return at::empty_strided(sizes, strides, like.options());
+  return at::detail::empty_strided_generic(sizes, strides, allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                           like.scalar_type());
+}
+
 KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan, c10::Allocator* allocator) {
   KernelOutput out;
   if (allocator == nullptr) {
@@ -41,8 +48,7 @@ KernelOutput make_kernel_output(const at::Tensor& src, const ChannelPlan& plan, 
   } else {
     const auto strides = src.is_non_overlapping_and_dense() ? src.strides().vec()
                                                             : at::infer_dense_strides(src.sizes(), src.strides());
-    out.result = at::detail::empty_strided_generic(src.sizes(), strides, allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                   src.scalar_type());
+    out.result = empty_output(src.sizes(), strides, src, allocator);
   }
   if (permuted_contiguous(out.result, plan.permutation)) {
     out.buffer = out.result;

@@ -1,8 +1,12 @@
 #include "args/masked_layout.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/strides.h>
 
+#include <numeric>
 #include <vector>
+
+#include "args/batch_norm_args.h"
 
 namespace torch_bn_grad {
 namespace {
@@ -35,15 +39,17 @@ at::Tensor to_masked_layout(const at::Tensor& t, const MaskedLayout& layout) {
   return p.is_contiguous() ? t : p.contiguous();
 }
 
-at::Tensor masked_output(const at::Tensor& src, const MaskedLayout& layout) {
-  if (!permutes_rows(layout)) return at::empty(src.sizes(), src.options().memory_format(at::MemoryFormat::Contiguous));
-  const std::vector<int64_t> order = channels_last_order(src.dim());
+at::Tensor masked_output(const at::Tensor& src, const MaskedLayout& layout, c10::Allocator* allocator) {
+  // The form's sizes, contiguous, viewed back in src's dim order.
+  std::vector<int64_t> order(src.dim());
+  std::iota(order.begin(), order.end(), 0);
+  if (permutes_rows(layout)) order = channels_last_order(src.dim());
   std::vector<int64_t> sizes, inverse(order.size());
   for (size_t i = 0; i < order.size(); ++i) {
     sizes.push_back(src.size(order[i]));
     inverse[order[i]] = static_cast<int64_t>(i);
   }
-  return at::empty(sizes, src.options().memory_format(at::MemoryFormat::Contiguous)).permute(inverse);
+  return empty_output(sizes, c10::contiguous_strides(sizes), src, allocator).permute(inverse);
 }
 
 }  // namespace torch_bn_grad

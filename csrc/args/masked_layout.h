@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
 
 #include "math/extent.h"
 
@@ -24,7 +25,8 @@ MaskedLayout masked_layout(const at::Tensor& src);
 // A tensor of src's shape (diff_dst) with its data in `layout`'s form.
 at::Tensor to_masked_layout(const at::Tensor& t, const MaskedLayout& layout);
 // An uninitialized output of src's shape whose data is in `layout`'s form
-// (so it keeps src's memory format where src's strides fit).
-at::Tensor masked_output(const at::Tensor& src, const MaskedLayout& layout);
+// (so it keeps src's memory format where src's strides fit); its memory from
+// `allocator` (a CPU allocator: the operators' output cache) when given.
+at::Tensor masked_output(const at::Tensor& src, const MaskedLayout& layout, c10::Allocator* allocator = nullptr);
 
 }  // namespace torch_bn_grad

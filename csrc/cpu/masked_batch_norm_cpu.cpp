@@ -11,6 +11,7 @@
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "cpu/kernels/masked_kernel_table.h"
+#include "cpu/output_cache.h"
 #include "args/masked_layout.h"
 
 namespace torch_bn_grad::cpu {
@@ -106,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
     mean_d = channel_values(mean, C, 0.0);
     var_d = channel_values(variance, C, 0.0);
   }
-  at::Tensor dst = masked_output(src, layout);
+  at::Tensor dst = masked_output(src, layout, output_allocator());
   const std::vector<double> gamma_d = channel_values(gamma, C, 1.0), beta_d = channel_values(beta, C, 0.0);
   auto coefficients = [&](int64_t c) -> MaskedChannelAffine {
     const auto f = math::forward_coefficients(var_d[c], gamma_d[c], beta_d[c], epsilon);
@@ -148,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
     diff_beta[c] = p.diff_beta;
     return {mean_d[c], math::backward_coefficients(rstd, gamma_d[c], sums, count, training)};
   };
-  at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::Tensor();
+  at::Tensor diff_src = output_mask[0] ? masked_output(src, layout, output_allocator()) : at::Tensor();
   const bool needs_sums = output_mask[1] || output_mask[2] || (training && output_mask[0]);
   if (needs_sums && valid.count > 0) {
     masked_kernel_table().backward(layout.data, dy, diff_src, v, mean_d.data(), finish);
