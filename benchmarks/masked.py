@@ -3,13 +3,14 @@ backward) of the masked BatchNorm1d, against this library's unmasked
 BatchNorm1d on the same tensor and against the gather -> torch BatchNorm1d ->
 scatter workaround.
 
-    python benchmarks/masked.py [--threads 2] [--processes 3] [--iters 20] [--json FILE]
+    python benchmarks/masked.py [--device cpu|cuda] [--threads 2] [--processes 3] [--iters 20] [--json FILE]
 
 Lengths are drawn between L/3 and L. The variants run interleaved, in a fresh
 random order each turn; each process reports the median time of each variant,
 and the table shows, per case, the median over the processes (fresh
 processes: where a process's memory lands moves a case's time on a shared
-VM more than repeated timings within one process do).
+VM more than repeated timings within one process do). On CUDA each step
+waits for its kernels.
 """
 
 from __future__ import annotations
@@ -32,50 +33,56 @@ CASES = [((32, 256, 400), torch.float32), ((16, 144, 1000), torch.float32), ((32
 VARIANTS = ("masked", "unmasked", "workaround")
 
 
-def make_steps(shape: tuple, dtype: torch.dtype, seed: int = 0) -> dict[str, Callable[[], object]]:
+def make_steps(shape: tuple, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+               ) -> dict[str, Callable[[], object]]:
     import torch_bn_grad
 
     n, c, length = shape
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(length // 3, length + 1, (n,), generator=g)
-    mask = torch.arange(length)[None, :] < lengths[:, None]
-    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
-    dy = torch.randn(shape, generator=g).to(dtype)
-    ours = torch_bn_grad.nn.BatchNorm1d(c).to(dtype)
-    torch_bn = torch.nn.BatchNorm1d(c).to(dtype)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(device)
+    x = torch.randn(shape, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(device, dtype)
+    ours = torch_bn_grad.nn.BatchNorm1d(c).to(device, dtype)
+    torch_bn = torch.nn.BatchNorm1d(c).to(device, dtype)
+    finish = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def masked() -> object:
         ours(x, mask).backward(dy)
+        finish()
 
     def unmasked() -> object:
         ours(x).backward(dy)
+        finish()
 
     def workaround() -> object:
         valid = torch_bn(x.transpose(1, 2)[mask])  # (valid positions, C)
         out = x.new_zeros(n, length, c).index_put((mask,), valid).transpose(1, 2)
         out.backward(dy)
+        finish()
 
     return {"masked": masked, "unmasked": unmasked, "workaround": workaround}
 
 
-def time_case(shape: tuple, dtype: torch.dtype, iters: int) -> dict[str, float]:
+def time_case(shape: tuple, dtype: torch.dtype, iters: int, device: str = "cpu") -> dict[str, float]:
     """Median milliseconds per step of each variant, interleaved."""
-    steps = make_steps(shape, dtype)
+    steps = make_steps(shape, dtype, device)
     for step in steps.values():  # warm-up: allocator, caches, OpenMP pool
         step()
     return {name: us / 1e3 for name, us in alternating_medians_us(steps, iters).items()}
 
 
-def one_process(iters: int) -> list[dict]:
+def one_process(iters: int, device: str = "cpu") -> list[dict]:
     rows = []
     for shape, dtype in CASES:
-        ms = time_case(shape, dtype, iters)
+        ms = time_case(shape, dtype, iters, device)
         rows.append({"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), **ms})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
@@ -84,11 +91,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.single:
-        print(json.dumps(one_process(args.iters)))
+        print(json.dumps(one_process(args.iters, args.device)))
         return
     runs = []
     for _ in range(args.processes):
-        command = [sys.executable, __file__, "--single", "--threads", str(args.threads), "--iters", str(args.iters)]
+        command = [sys.executable, __file__, "--single", "--device", args.device, "--threads", str(args.threads),
+                   "--iters", str(args.iters)]
         out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
     rows = []
@@ -103,7 +111,8 @@ def main() -> None:
         merged["speedup_over_workaround"] = statistics.median(speedups)
         merged["speedup_over_workaround_range"] = [min(speedups), max(speedups)]
         rows.append(merged)
-    print(f"training step (forward + backward), {args.threads} threads, median of {args.processes} processes "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} threads"
+    print(f"training step (forward + backward), {where}, median of {args.processes} processes "
           f"x {args.iters} steps, ms")
     print(f"{'shape':>16} {'dtype':>9} {'masked':>8} {'unmasked':>9} {'workaround':>11} {'masked/unmasked':>16} "
           f"{'workaround/masked':>18}")
@@ -114,7 +123,7 @@ def main() -> None:
               f"{r['workaround']:11.2f} {r['masked_over_unmasked']:6.2f} ({lo:.2f}-{hi:.2f}) "
               f"{r['speedup_over_workaround']:7.2f} ({slo:.2f}-{shi:.2f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": args.threads, "processes": args.processes,
+        Path(args.json).write_text(json.dumps({"device": args.device, "threads": args.threads, "processes": args.processes,
                                                "iters": args.iters, "rows": rows}, indent=1))
 
 
