@@ -16,6 +16,7 @@
 #                compiled; float32 and bfloat16 autocast), ours and fused against native
 #   models-graphs  the same training step under CUDA graphs: captured whole (torch.cuda.graph)
 #                and torch.compile(mode="reduce-overhead"), float32
+#   masked       benchmarks/masked.py --device cuda: masked vs unmasked vs the gather workaround
 #   profile      benchmarks/profile_model.py --device cuda: kernel tables of a ResNet-50 step
 #   other-tests  the rest of the suite (CPU cases, nvcc compile check, distributed)
 # A stage written NAME:SECONDS is stopped after that many seconds (a lease's time is short).
@@ -112,9 +113,10 @@ for spec in "${STAGES[@]}"; do
         models-graphs) run_stage models-graphs "$PY" -m torch_bn_grad.bench --device cuda --model resnet50 --fuse \
                     --batch-size 64 --resolution 224 --modes train --layouts channels_last \
                     --executions cuda-graph,reduce-overhead --json "$OUT/models_graphs.json" ;;
+        masked) run_stage masked "$PY" benchmarks/masked.py --device cuda --processes 3 --json "$OUT/masked.json" ;;
         profile) run_stage profile "$PY" benchmarks/profile_model.py --device cuda ;;
         other-tests) run_stage other-tests "${PYTEST[@]}" -k "not ($GPU_TESTS)" --junitxml="$OUT/other-tests.xml" ;;
-        *) echo "unknown stage: $stage (build, gpu-tests, host-cost, bench, models, models-graphs, profile, other-tests)"; exit 2 ;;
+        *) echo "unknown stage: $stage (build, gpu-tests, host-cost, bench, models, models-graphs, masked, profile, other-tests)"; exit 2 ;;
     esac
 done
 exit $failed
