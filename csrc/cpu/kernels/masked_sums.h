@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "math/batch_norm_math.h"
@@ -64,36 +65,114 @@ inline double total(const VD (&v)[4], double tail) {
   return t + tail;
 }
 
+// ---------------------------------------------------------------- sums of u and u * v
+// Float data's reductions are float64 sums of u and of u * v: the
+// statistics' with u = v = x - centre, the gradient's with u = dy and
+// v = x - mean.
+using Terms = VD[4];
+
+// Adds the terms of n elements to `sums`: terms(i, u, v) makes the kStep
+// terms at i as vectors, scalar_terms(i) one element's as a pair of doubles.
+template <typename Sums, typename StepTerms, typename ScalarTerms>
+inline void add_terms(Sums& sums, int64_t n, const StepTerms& terms, const ScalarTerms& scalar_terms) {
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    Terms u, v;
+    terms(i, u, v);
+    for (int k = 0; k < 4; ++k) sums.add_lanes(i, k, u[k], v[k]);
+  }
+  for (; i < n; ++i) {
+    const auto [u, v] = scalar_terms(i);
+    sums.add_one(i, u, v);
+  }
+}
+
+// One span's sums (all terms into one total): float64 vectors, totalled at the end.
+struct SpanLaneSums {
+  VD u[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
+  VD uv[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
+  double tail_u = 0.0, tail_uv = 0.0;
+
+  void add_lanes(int64_t, int k, const VD& a, const VD& b) {
+    u[k] = u[k] + a;
+    uv[k] = at::vec::fmadd(a, b, uv[k]);
+  }
+  void add_one(int64_t, double a, double b) {
+    tail_u += a;
+    tail_uv = std::fma(a, b, tail_uv);
+  }
+  double sum_u() const { return total(u, tail_u); }
+  double sum_uv() const { return total(uv, tail_uv); }
+};
+
+// Rows' sums (the term at i into channel i): a float64 sum per channel.
+struct ChannelSums {
+  std::vector<double> u, uv;
+  explicit ChannelSums(int64_t channels) : u(channels, 0.0), uv(channels, 0.0) {}
+
+  void add_lanes(int64_t i, int k, const VD& a, const VD& b) {
+    const int64_t at = i + k * VD::size();
+    (VD::loadu(u.data() + at) + a).store(u.data() + at);
+    at::vec::fmadd(a, b, VD::loadu(uv.data() + at)).store(uv.data() + at);
+  }
+  void add_one(int64_t i, double a, double b) {
+    u[i] += a;
+    uv[i] = std::fma(a, b, uv[i]);
+  }
+  void merge(const ChannelSums& o) {
+    for (size_t c = 0; c < u.size(); ++c) {
+      u[c] += o.u[c];
+      uv[c] += o.uv[c];
+    }
+  }
+};
+
+// The k-th vector of a step's shift: one value for a whole span, or the
+// per-channel values of a row.
+inline VD shift_lanes(const VD& shift, int) { return shift; }
+inline VD shift_lanes(const double* shift, int k) { return VD::loadu(shift + k * VD::size()); }
+
+// The statistics' terms: u = v = x - centre.
+template <typename T, typename Shift>
+inline void centred_terms(const T* x, const Shift& centre, Terms& u, Terms& v) {
+  VD w[4];
+  load_step(x, w);
+  for (int k = 0; k < 4; ++k) u[k] = v[k] = w[k] - shift_lanes(centre, k);
+}
+template <typename T>
+inline std::pair<double, double> centred_term(T x, double centre) {
+  const double d = static_cast<double>(x) - centre;
+  return {d, d};
+}
+
+// The gradient's terms: u = dy, v = x - mean.
+template <typename T, typename Shift>
+inline void gradient_terms(const T* x, const T* g, const Shift& mean, Terms& u, Terms& v) {
+  VD w[4];
+  load_step(x, w);
+  load_step(g, u);
+  for (int k = 0; k < 4; ++k) v[k] = w[k] - shift_lanes(mean, k);
+}
+template <typename T>
+inline std::pair<double, double> gradient_term(T x, T g, double mean) {
+  return {static_cast<double>(g), static_cast<double>(x) - mean};
+}
+
 // ---------------------------------------------------------------- per-channel sums over spans
 // A channel's statistics sums over spans of valid values (planes form): float64
 // lanes for float data, compensated.h's ShiftedSums for float64 data.
 template <typename T>
 struct SpanMoments {
   double centre;
-  VD d[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
-  VD d2[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
-  double tail_d = 0.0, tail_d2 = 0.0;
+  SpanLaneSums s;
 
-  void add(const T* p, int64_t n) {
+  void add(const T* x, int64_t n) {
     const VD c(centre);
-    int64_t i = 0;
-    for (; i + kStep <= n; i += kStep) {
-      VD w[4];
-      load_step(p + i, w);
-      for (int k = 0; k < 4; ++k) {
-        const VD x = w[k] - c;
-        d[k] = d[k] + x;
-        d2[k] = at::vec::fmadd(x, x, d2[k]);
-      }
-    }
-    for (; i < n; ++i) {
-      const double x = static_cast<double>(p[i]) - centre;
-      tail_d += x;
-      tail_d2 = std::fma(x, x, tail_d2);
-    }
+    add_terms(s, n, [&](int64_t i, Terms& u, Terms& v) { centred_terms(x + i, c, u, v); },
+              [&](int64_t i) { return centred_term(x[i], centre); });
   }
   math::Moments<double> moments(int64_t count) const {
-    return math::shifted_moments(static_cast<double>(count), centre, total(d, tail_d), total(d2, tail_d2));
+    return math::shifted_moments(static_cast<double>(count), centre, s.sum_u(), s.sum_uv());
   }
 };
 
@@ -115,29 +194,14 @@ struct SpanMoments<double> {
 template <typename T>
 struct SpanGradSums {
   double mean;
-  VD dy[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
-  VD dy_xc[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
-  double tail_dy = 0.0, tail_dy_xc = 0.0;
+  SpanLaneSums s;
 
   void add(const T* x, const T* g, int64_t n) {
     const VD m(mean);
-    int64_t i = 0;
-    for (; i + kStep <= n; i += kStep) {
-      VD wx[4], wg[4];
-      load_step(x + i, wx);
-      load_step(g + i, wg);
-      for (int k = 0; k < 4; ++k) {
-        dy[k] = dy[k] + wg[k];
-        dy_xc[k] = at::vec::fmadd(wg[k], wx[k] - m, dy_xc[k]);
-      }
-    }
-    for (; i < n; ++i) {
-      const double gi = static_cast<double>(g[i]);
-      tail_dy += gi;
-      tail_dy_xc = std::fma(gi, static_cast<double>(x[i]) - mean, tail_dy_xc);
-    }
+    add_terms(s, n, [&](int64_t i, Terms& u, Terms& v) { gradient_terms(x + i, g + i, m, u, v); },
+              [&](int64_t i) { return gradient_term(x[i], g[i], mean); });
   }
-  math::GradSums<double> sums() const { return {total(dy, tail_dy), total(dy_xc, tail_dy_xc)}; }
+  math::GradSums<double> sums() const { return {s.sum_u(), s.sum_uv()}; }
 };
 
 template <>
@@ -157,35 +221,16 @@ struct SpanGradSums<double> {
 // a time (float64 data's compensated sums).
 template <typename T>
 struct RowMoments {
-  std::vector<double> d, d2;
-  explicit RowMoments(int64_t channels) : d(channels, 0.0), d2(channels, 0.0) {}
+  ChannelSums s;
+  explicit RowMoments(int64_t channels) : s(channels) {}
 
   void add_row(const T* x, const double* centre, int64_t channels) {
-    int64_t c = 0;
-    for (; c + kStep <= channels; c += kStep) {
-      VD w[4];
-      load_step(x + c, w);
-      for (int k = 0; k < 4; ++k) {
-        const int64_t at = c + k * VD::size();
-        const VD v = w[k] - VD::loadu(centre + at);
-        (VD::loadu(d.data() + at) + v).store(d.data() + at);
-        at::vec::fmadd(v, v, VD::loadu(d2.data() + at)).store(d2.data() + at);
-      }
-    }
-    for (; c < channels; ++c) {
-      const double v = static_cast<double>(x[c]) - centre[c];
-      d[c] += v;
-      d2[c] = std::fma(v, v, d2[c]);
-    }
+    add_terms(s, channels, [&](int64_t c, Terms& u, Terms& v) { centred_terms(x + c, centre + c, u, v); },
+              [&](int64_t c) { return centred_term(x[c], centre[c]); });
   }
-  void merge(const RowMoments& b) {
-    for (size_t c = 0; c < d.size(); ++c) {
-      d[c] += b.d[c];
-      d2[c] += b.d2[c];
-    }
-  }
+  void merge(const RowMoments& b) { s.merge(b.s); }
   math::Moments<double> moments(int64_t c, int64_t count, const double* centre) const {
-    return math::shifted_moments(static_cast<double>(count), centre[c], d[c], d2[c]);
+    return math::shifted_moments(static_cast<double>(count), centre[c], s.u[c], s.uv[c]);
   }
 };
 
@@ -208,34 +253,15 @@ struct RowMoments<double> {
 
 template <typename T>
 struct RowGradSums {
-  std::vector<double> dy, dy_xc;
-  explicit RowGradSums(int64_t channels) : dy(channels, 0.0), dy_xc(channels, 0.0) {}
+  ChannelSums s;
+  explicit RowGradSums(int64_t channels) : s(channels) {}
 
   void add_row(const T* x, const T* g, const double* mean, int64_t channels) {
-    int64_t c = 0;
-    for (; c + kStep <= channels; c += kStep) {
-      VD wx[4], wg[4];
-      load_step(x + c, wx);
-      load_step(g + c, wg);
-      for (int k = 0; k < 4; ++k) {
-        const int64_t at = c + k * VD::size();
-        (VD::loadu(dy.data() + at) + wg[k]).store(dy.data() + at);
-        at::vec::fmadd(wg[k], wx[k] - VD::loadu(mean + at), VD::loadu(dy_xc.data() + at)).store(dy_xc.data() + at);
-      }
-    }
-    for (; c < channels; ++c) {
-      const double gc = static_cast<double>(g[c]);
-      dy[c] += gc;
-      dy_xc[c] = std::fma(gc, static_cast<double>(x[c]) - mean[c], dy_xc[c]);
-    }
+    add_terms(s, channels, [&](int64_t c, Terms& u, Terms& v) { gradient_terms(x + c, g + c, mean + c, u, v); },
+              [&](int64_t c) { return gradient_term(x[c], g[c], mean[c]); });
   }
-  void merge(const RowGradSums& b) {
-    for (size_t c = 0; c < dy.size(); ++c) {
-      dy[c] += b.dy[c];
-      dy_xc[c] += b.dy_xc[c];
-    }
-  }
-  math::GradSums<double> sums(int64_t c) const { return {dy[c], dy_xc[c]}; }
+  void merge(const RowGradSums& b) { s.merge(b.s); }
+  math::GradSums<double> sums(int64_t c) const { return {s.u[c], s.uv[c]}; }
 };
 
 template <>
