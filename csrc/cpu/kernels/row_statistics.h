@@ -128,6 +128,31 @@ struct RowStatistics : RowWalk<T> {
     }
   }
 
+  // A statistics pass by chunks of columns (for_runs): each of a chunk's N
+  // column vectors has a sum a[q] from zero and a value c[q] loaded from
+  // `column`; add(a[q], c[q], v) takes each row's vector v, and then
+  // finish(j + q * W, a[q], c[q]) the run's results.
+  template <typename Add, typename Finish>
+  static void column_pass(const T* x, const Extent& e, const Block& blk, bool from_memory, const acc_t* column,
+                          const Add& add, const Finish& finish) {
+    const T* base = x + blk.s0;
+    const int64_t C = e.channels;
+    for_runs(x, e, blk, from_memory, [&](int64_t j, auto group, int64_t r0, int64_t r1) {
+      constexpr int N = decltype(group)::value * P;
+      Vec a[N], c[N];
+      for (int q = 0; q < N; ++q) {
+        a[q] = Vec(acc_t(0));
+        c[q] = Vec::loadu(column + j + q * W);
+      }
+      for (int64_t o = r0; o < r1; ++o) {
+        Vec v[N];
+        load_group(base + o * C + j, group, v);
+        for (int q = 0; q < N; ++q) add(a[q], c[q], v[q]);
+      }
+      for (int q = 0; q < N; ++q) finish(j + q * W, a[q], c[q]);
+    });
+  }
+
   // Statistics pass 1 over the block: exact sums of x (plain runs of
   // kRowRun rows, each added exactly) and max |x|, per column.
   static void sum_max_pass(const T* x, const Extent& e, const Block& blk, ColumnSums& sx, acc_t* max_abs) {
@@ -135,29 +160,16 @@ struct RowStatistics : RowWalk<T> {
       sum_max_by_rows(x, e, blk, sx, max_abs);
       return;
     }
-    const T* base = x + blk.s0;
-    const int64_t C = e.channels;
-    auto chunk = [&](int64_t j, auto group, int64_t r0, int64_t r1) {
-      constexpr int N = decltype(group)::value * P;
-      Vec a[N], mx[N];
-      for (int q = 0; q < N; ++q) {
-        a[q] = Vec(acc_t(0));
-        mx[q] = Vec::loadu(max_abs + j + q * W);
-      }
-      for (int64_t o = r0; o < r1; ++o) {
-        Vec v[N];
-        load_group(base + o * C + j, group, v);
-        for (int q = 0; q < N; ++q) {
-          a[q] = a[q] + v[q];
-          mx[q] = at::vec::clamp_min(v[q].abs(), mx[q]);  // a plain max: see exact_centre
-        }
-      }
-      for (int q = 0; q < N; ++q) {
-        sx.add(j + q * W, a[q]);
-        mx[q].store(max_abs + j + q * W);
-      }
-    };
-    for_runs(x, e, blk, /*from_memory=*/true, chunk);
+    column_pass(
+        x, e, blk, /*from_memory=*/true, max_abs,
+        [](Vec& a, Vec& mx, const Vec& v) {
+          a = a + v;
+          mx = at::vec::clamp_min(v.abs(), mx);  // a plain max: see exact_centre
+        },
+        [&](int64_t j, const Vec& a, const Vec& mx) {
+          sx.add(j, a);
+          mx.store(max_abs + j);
+        });
   }
 
   // Whether pass 1 walks the block row by row (sum_max_by_rows): half
@@ -206,26 +218,13 @@ struct RowStatistics : RowWalk<T> {
 
   // Statistics pass 2 over the block: exact sums of (x - centre)^2 per column.
   static void squares_pass(const T* x, const Extent& e, const Block& blk, const acc_t* centre, ColumnSums& sd) {
-    const T* base = x + blk.s0;
-    const int64_t C = e.channels;
-    auto chunk = [&](int64_t j, auto group, int64_t r0, int64_t r1) {
-      constexpr int N = decltype(group)::value * P;
-      Vec a[N], cv[N];
-      for (int q = 0; q < N; ++q) {
-        a[q] = Vec(acc_t(0));
-        cv[q] = Vec::loadu(centre + j + q * W);
-      }
-      for (int64_t o = r0; o < r1; ++o) {
-        Vec v[N];
-        load_group(base + o * C + j, group, v);
-        for (int q = 0; q < N; ++q) {
-          const Vec d = v[q] - cv[q];
-          a[q] = at::vec::fmadd(d, d, a[q]);
-        }
-      }
-      for (int q = 0; q < N; ++q) sd.add_nonnegative(j + q * W, a[q]);
-    };
-    for_runs(x, e, blk, /*from_memory=*/false, chunk);
+    column_pass(
+        x, e, blk, /*from_memory=*/false, centre,
+        [](Vec& a, Vec& c, const Vec& v) {
+          const Vec d = v - c;
+          a = at::vec::fmadd(d, d, a);
+        },
+        [&](int64_t j, const Vec& a, const Vec&) { sd.add_nonnegative(j, a); });
   }
 };
 
