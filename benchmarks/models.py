@@ -297,8 +297,7 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("model benchmark (--model)")
     group.add_argument("--model", choices=sorted(MODELS),
                        help="time a whole model instead of the operators (the timm ones need timm)")
-    group.add_argument("--batch-size", type=int, default=16)
-    group.add_argument("--resolution", type=int, default=112, help="input height and width")
+    add_input_arguments(group, batch_size=16, resolution=112)
     group.add_argument("--iters", type=int, default=3, help="iterations per variant per round")
     group.add_argument("--rounds", type=int, default=5, help="rounds alternating the variants")
     group.add_argument("--warmup", type=int, default=2, help="untimed iterations (compilation included)")
@@ -310,8 +309,14 @@ def add_arguments(parser) -> None:
                        help="compiled cases also time ours with torch_bn_grad.config.compile_lowering off")
     group.add_argument("--fuse", action="store_true",
                        help="also time ours converted with convert_batchnorm(fuse=True) (BatchNorm+act(+add) fused)")
-    group.add_argument("--autocast", choices=("bfloat16", "float16"),
-                       help="run the forward under torch.autocast with this dtype (mixed precision)")
+
+
+def add_input_arguments(parser, batch_size: int, resolution: int) -> None:
+    """The model tools' input options: batch size, input size and mixed precision."""
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--resolution", type=int, default=resolution, help="input height and width")
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"),
+                        help="run the forward under torch.autocast with this dtype (mixed precision)")
 
 
 def summary(results: list[ModelResult]) -> str:

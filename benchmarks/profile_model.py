@@ -45,7 +45,7 @@ import torch_bn_grad
 if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import resnets, step_breakdown
-from benchmarks.models import raise_recompile_limits, under_autocast
+from benchmarks.models import add_input_arguments, raise_recompile_limits, under_autocast
 from torch_bn_grad import _compat
 
 
@@ -54,8 +54,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(resnets.MODELS), default="resnet50")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layout", choices=("contiguous", "channels_last"), default="channels_last")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--resolution", type=int, default=224)
+    add_input_arguments(parser, batch_size=64, resolution=224)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--by-shape", action="store_true", help="batch norm time per layer shape, native vs ours")
@@ -63,8 +62,6 @@ def main() -> None:
                         help="self time per step by kind of operator, and the speedup bound of ours and fused")
     parser.add_argument("--compile", action="store_true",
                         help="profile the models compiled with torch.compile (inductor), CPU kernels named")
-    parser.add_argument("--autocast", choices=("bfloat16", "float16"),
-                        help="run the forward under torch.autocast with this dtype")
     args = parser.parse_args()
     if args.by_shape and args.breakdown:
         parser.error("--by-shape and --breakdown: choose one")

@@ -22,17 +22,28 @@ namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
 namespace {  // internal linkage: see vec_io.h
 
-// A row (one channel's inner positions in one outer row) shorter than this is
-// too short for the hardware prefetchers, which follow streams within a page:
-// rows of a channel are channels * inner elements apart, so each row would
-// start with cache misses paid at full latency. The row kPrefetchAhead rows on
-// is requested explicitly instead.
-constexpr int64_t kPrefetchRowBytes = 4096;
-constexpr int64_t kPrefetchAhead = 12;
-
 template <typename T>
 struct PlaneKernels {
   TBG_KERNEL_TYPES(T);
+
+  // A row (one channel's inner positions in one outer row) shorter than
+  // kPrefetchRowBytes is too short for the hardware prefetchers, which follow
+  // streams within a page: rows of a channel are channels * inner elements
+  // apart, so each row would start with cache misses paid at full latency.
+  // The row kPrefetchAhead rows on is requested explicitly instead.
+  static constexpr int64_t kPrefetchRowBytes = 4096;
+  static constexpr int64_t kPrefetchAhead = 12;
+  static bool prefetches_rows(int64_t n) { return n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes; }
+  // Requests the row kPrefetchAhead rows after outer row o (which starts at
+  // `row`) of a and b (b may be null) and, for writing, of out (may be null).
+  C10_ALWAYS_INLINE static void prefetch_row_ahead(const Extent& e, const Block& blk, int64_t o, int64_t row,
+                                                   int64_t n, const T* a, const T* b, T* out = nullptr) {
+    if (o + kPrefetchAhead >= blk.o1) return;
+    const int64_t ahead = row + kPrefetchAhead * e.channels * e.inner;
+    prefetch_lines<false>(a + ahead, n);
+    if (b) prefetch_lines<false>(b + ahead, n);
+    if (out) prefetch_lines<true>(out + ahead, n);
+  }
 
   // Independent accumulator chains hide the latency of the dependent
   // compensated adds; chunk i of a run feeds group i % kGroups (a fixed
@@ -125,15 +136,11 @@ struct PlaneKernels {
     constexpr int64_t kSegment = kRowRun * G * K;
     constexpr auto groups = std::make_integer_sequence<int, G>{};
     const int64_t n = blk.s1 - blk.s0;
-    const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
+    const bool prefetch = prefetches_rows(n);
     int64_t pending = 0;  // most plain terms any chain holds
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
       const int64_t row = (o * e.channels + blk.channel) * e.inner + blk.s0;
-      if (prefetch && o + kPrefetchAhead < blk.o1) {
-        const int64_t ahead = row + kPrefetchAhead * e.channels * e.inner;
-        prefetch_lines<false>(a + ahead, n);
-        if (b) prefetch_lines<false>(b + ahead, n);
-      }
+      if (prefetch) prefetch_row_ahead(e, blk, o, row, n, a, b);
       int64_t j = 0;
       for (; j + kSegment <= n; j += kSegment) {
         if constexpr (Pass::kFromMemory)
@@ -358,17 +365,12 @@ struct PlaneKernels {
     const int64_t k = blk.channel;
     const ChannelAffine<E> ca(c, k, y != nullptr, ep);
     const int64_t n = blk.s1 - blk.s0;
-    const bool prefetch = n * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
+    const bool prefetch = prefetches_rows(n);
     // Each row starts a whole number of planes after out + blk.s0.
     const bool stream = streams_output(out + blk.s0, e, sizeof(T), y ? 3 : 2);
     for (int64_t o = blk.o0; o < blk.o1; ++o) {
       const int64_t off = (o * C + k) * I + blk.s0;
-      if (prefetch && o + kPrefetchAhead < blk.o1) {
-        const int64_t ahead = off + kPrefetchAhead * C * I;
-        prefetch_lines<false>(x + ahead, n);
-        if (y) prefetch_lines<false>(y + ahead, n);
-        prefetch_lines<true>(out + ahead, n);
-      }
+      if (prefetch) prefetch_row_ahead(e, blk, o, off, n, x, y, out);
       ca.row(x, y, out, off, n, ep, stream);
     }
     if (stream) stream_fence();
