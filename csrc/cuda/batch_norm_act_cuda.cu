@@ -125,22 +125,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     const at::Tensor scratch = vectors > 0 ? channel_vectors(plan, data, acc, vectors) : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_act_backward_cuda", [&] {
       using A = Acc<scalar_t>;
-      BackwardCoefficientArgs<A> args{};
-      args.mean = centre_k.const_data_ptr<A>();
-      args.variance = var_v.in;
-      args.gamma = gamma_v.in;
-      args.unit = optional_data(unit);
-      args.epsilon = epsilon;
-      args.channels = e.channels;
-      args.reduced = M;
-      args.training = training;
       const int64_t C = e.channels;
       A* const dy_scale = need_pass ? scratch.mutable_data_ptr<A>() : nullptr;
       A* const fwd_mean =
           checked.kind == act::Kind::silu ? scratch.mutable_data_ptr<A>() + (need_pass ? 3 * C : 0) : nullptr;
-      if (need_pass) args.affine = {nullptr, dy_scale, dy_scale + C, dy_scale + 2 * C};
-      args.diff_gamma = dg.out;
-      args.diff_beta = db.out;
+      auto args = backward_coefficient_args(centre_k.const_data_ptr<A>(), var_v.in, gamma_v.in, epsilon, C, M,
+                                            training, dy_scale, dg.out, db.out);
+      args.unit = optional_data(unit);
       scalar_t* dz_out = output_mask[3] ? dz.buffer.mutable_data_ptr<scalar_t>() : nullptr;
       const A slope = static_cast<A>(negative_slope);
 

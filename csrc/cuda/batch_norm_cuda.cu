@@ -64,18 +64,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
     const at::Tensor scratch = need_diff_src ? channel_vectors(plan, src, acc, 3) : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_backward_cuda", [&] {
       using A = Acc<scalar_t>;
-      BackwardCoefficientArgs<A> args{};
-      args.mean = mean_k.const_data_ptr<A>();
-      args.variance = var_v.in;
-      args.gamma = gamma_v.in;
-      args.epsilon = epsilon;
-      args.channels = e.channels;
-      args.reduced = M;
-      args.training = training;
       A* const dy_scale = need_diff_src ? scratch.mutable_data_ptr<A>() : nullptr;
-      if (need_diff_src) args.affine = {nullptr, dy_scale, dy_scale + e.channels, dy_scale + 2 * e.channels};
-      args.diff_gamma = dg.out;
-      args.diff_beta = db.out;
+      auto args = backward_coefficient_args(mean_k.const_data_ptr<A>(), var_v.in, gamma_v.in, epsilon, e.channels, M,
+                                            training, dy_scale, dg.out, db.out);
       Partials<GradSums<double>> partials;  // alive until the kernels are queued
       if (need_sums && M > 0) {
         scalar_t* dst = need_diff_src ? out.buffer.mutable_data_ptr<scalar_t>() : nullptr;

@@ -223,6 +223,20 @@ void forward_coefficients(const ForwardCoefficientArgs<A>& args) {
   });
 }
 
+// The coefficient arguments of a backward: its statistics, gamma and sizes;
+// dy_scale (null: no diff_src) heads its three coefficient arrays of
+// `channels` each. The caller adds the partials and, from the output, unit.
+template <typename A>
+BackwardCoefficientArgs<A> backward_coefficient_args(const A* mean, const ChannelIn& variance, const ChannelIn& gamma,
+                                                     double epsilon, int64_t channels, int64_t reduced, bool training,
+                                                     A* dy_scale, ChannelOut diff_gamma, ChannelOut diff_beta) {
+  AffineOutputs<A> affine{};
+  if (dy_scale) affine = {nullptr, dy_scale, dy_scale + channels, dy_scale + 2 * channels};
+  return {.mean = mean, .variance = variance, .gamma = gamma, .epsilon = epsilon, .channels = channels,
+          .reduced = reduced, .training = training, .affine = affine, .diff_gamma = diff_gamma,
+          .diff_beta = diff_beta};
+}
+
 template <typename A>
 void backward_coefficients(const BackwardCoefficientArgs<A>& args) {
   launch_channel_groups(args.channels, args.partials != nullptr ? args.per_channel : 0, [&](auto group, dim3 grid) {

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
@@ -172,6 +173,33 @@ at::Tensor affine_buffer(const at::Tensor& src, int64_t channels) {
   return at::empty({channels * 4}, src.options().dtype(at::toOpMathType(src.scalar_type())));
 }
 
+// Queues a masked pass in layout.data's dtype: coefficients(a, x, shape,
+// stream) queues the kernel that writes the per-channel coefficients `a`,
+// then, where `out` has elements, the elementwise kernel writes out from x
+// (and dy where defined).
+template <typename Coefficients>
+void run_masked_pass(const MaskedLayout& layout, const at::Tensor& valid, const at::Tensor& dy, const at::Tensor& out,
+                     const Coefficients& coefficients) {
+  const at::Tensor& data = layout.data;
+  const Shape s{layout.extent.outer, layout.extent.channels, layout.extent.inner};
+  if (s.channels == 0) return;
+  const at::Tensor affine = affine_buffer(data, s.channels);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_masked_cuda", [&] {
+    using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
+    auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
+    const scalar_t* x = data.const_data_ptr<scalar_t>();
+    coefficients(a, x, s, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (out.numel() > 0) {
+      const scalar_t* g = dy.defined() ? dy.const_data_ptr<scalar_t>() : nullptr;
+      affine_kernel<scalar_t><<<affine_blocks(out.numel()), kThreads, 0, stream>>>(
+          x, g, valid.const_data_ptr<bool>(), s, a, out.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_cuda(
     const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
     const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
@@ -187,27 +215,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
   const at::Tensor var_d = frozen ? doubles(variance, C, 0.0, src) : at::zeros({C}, src.options().dtype(at::kDouble));
   const at::Tensor count = at::zeros({}, src.options().dtype(at::kDouble));
   at::Tensor dst = masked_output(src, layout);
-  const Shape s{layout.extent.outer, layout.extent.channels, layout.extent.inner};
-  if (C > 0) {
-    const at::Tensor affine = affine_buffer(src, C);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_masked_forward_cuda", [&] {
-      using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
-      auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
-      const scalar_t* x = layout.data.const_data_ptr<scalar_t>();
-      forward_coefficients_kernel<scalar_t><<<C, kThreads, 0, stream>>>(
-          x, valid.const_data_ptr<bool>(), s, gamma_d.const_data_ptr<double>(), beta_d.const_data_ptr<double>(),
-          frozen ? mean_d.const_data_ptr<double>() : nullptr, frozen ? var_d.const_data_ptr<double>() : nullptr,
-          epsilon, mean_d.mutable_data_ptr<double>(), var_d.mutable_data_ptr<double>(),
-          count.mutable_data_ptr<double>(), a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (dst.numel() > 0) {
-        affine_kernel<scalar_t><<<affine_blocks(dst.numel()), kThreads, 0, stream>>>(
-            x, nullptr, valid.const_data_ptr<bool>(), s, a, dst.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
-  }
+  run_masked_pass(layout, valid, at::Tensor(), dst,
+                  [&](auto* a, const auto* x, const Shape& s, cudaStream_t stream) {
+                    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+                    forward_coefficients_kernel<scalar_t><<<s.channels, kThreads, 0, stream>>>(
+                        x, valid.const_data_ptr<bool>(), s, gamma_d.const_data_ptr<double>(),
+                        beta_d.const_data_ptr<double>(), frozen ? mean_d.const_data_ptr<double>() : nullptr,
+                        frozen ? var_d.const_data_ptr<double>() : nullptr, epsilon, mean_d.mutable_data_ptr<double>(),
+                        var_d.mutable_data_ptr<double>(), count.mutable_data_ptr<double>(), a);
+                  });
   if (frozen) return {dst, mean->clone(), variance->clone(), count};
   const auto stats_dtype = accumulate_type(src.scalar_type());
   return {dst, mean_d.to(stats_dtype), var_d.to(stats_dtype), count};
@@ -228,27 +244,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cuda(
   const at::Tensor diff_gamma = at::zeros({C}, src.options().dtype(at::kDouble));
   const at::Tensor diff_beta = at::zeros({C}, src.options().dtype(at::kDouble));
   at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::empty({0}, src.options());
-  const Shape s{layout.extent.outer, layout.extent.channels, layout.extent.inner};
-  if (C > 0) {
-    const at::Tensor affine = affine_buffer(src, C);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_masked_backward_cuda", [&] {
-      using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
-      auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
-      const scalar_t* x = layout.data.const_data_ptr<scalar_t>();
-      const scalar_t* g = dy.const_data_ptr<scalar_t>();
-      backward_coefficients_kernel<scalar_t><<<C, kThreads, 0, stream>>>(
-          x, g, valid.const_data_ptr<bool>(), s, mean_d.const_data_ptr<double>(), var_d.const_data_ptr<double>(),
-          gamma_d.const_data_ptr<double>(), epsilon, training, diff_gamma.mutable_data_ptr<double>(),
-          diff_beta.mutable_data_ptr<double>(), a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (output_mask[0] && diff_src.numel() > 0) {
-        affine_kernel<scalar_t><<<affine_blocks(diff_src.numel()), kThreads, 0, stream>>>(
-            x, g, valid.const_data_ptr<bool>(), s, a, diff_src.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
-  }
+  run_masked_pass(layout, valid, dy, diff_src,
+                  [&](auto* a, const auto* x, const Shape& s, cudaStream_t stream) {
+                    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+                    backward_coefficients_kernel<scalar_t><<<s.channels, kThreads, 0, stream>>>(
+                        x, dy.const_data_ptr<scalar_t>(), valid.const_data_ptr<bool>(), s,
+                        mean_d.const_data_ptr<double>(), var_d.const_data_ptr<double>(),
+                        gamma_d.const_data_ptr<double>(), epsilon, training, diff_gamma.mutable_data_ptr<double>(),
+                        diff_beta.mutable_data_ptr<double>(), a);
+                  });
   const auto stats_dtype = mean.scalar_type();
   return {diff_src, output_mask[1] ? diff_gamma.to(stats_dtype) : at::empty({0}, mean.options()),
           output_mask[2] ? diff_beta.to(stats_dtype) : at::empty({0}, mean.options())};
