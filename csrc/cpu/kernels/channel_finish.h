@@ -46,36 +46,51 @@ namespace {  // internal linkage: see vec_io.h
 using VecD = at::vec::Vectorized<double>;
 constexpr int64_t kLanes = VecD::size();
 
-// kLanes doubles narrowed to float (each rounded once, to the nearest), or
-// kLanes floats loaded as they are, in the ISA's register of half the width.
-// A generic loop was split by the compiler into halves stored to the stack
-// and reloaded whole, which stalled the per-channel work on store forwarding.
-struct NarrowedLanes {
+// kLanes floats in the ISA's register of half a VecD's width, and its moves:
+// narrowed from a VecD (each lane rounded once, to the nearest), widened back,
+// loaded and stored. A generic loop was split by the compiler into halves
+// stored to the stack and reloaded whole, which stalled the per-channel work
+// on store forwarding.
 #if defined(CPU_CAPABILITY_AVX512)
-  __m256 v;
-  explicit NarrowedLanes(const VecD& d) : v(_mm512_cvtpd_ps(d)) {}
-  explicit NarrowedLanes(const float* p) : v(_mm256_loadu_ps(p)) {}
-  VecD widened() const { return _mm512_cvtps_pd(v); }
-  void store(float* p) const { _mm256_storeu_ps(p, v); }
+inline __m256 narrow_lanes(const VecD& d) { return _mm512_cvtpd_ps(d); }
+inline VecD widen_lanes(__m256 v) { return _mm512_cvtps_pd(v); }
+inline __m256 load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_lanes(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 #elif defined(CPU_CAPABILITY_AVX2)
-  __m128 v;
-  explicit NarrowedLanes(const VecD& d) : v(_mm256_cvtpd_ps(d)) {}
-  explicit NarrowedLanes(const float* p) : v(_mm_loadu_ps(p)) {}
-  VecD widened() const { return _mm256_cvtps_pd(v); }
-  void store(float* p) const { _mm_storeu_ps(p, v); }
+inline __m128 narrow_lanes(const VecD& d) { return _mm256_cvtpd_ps(d); }
+inline VecD widen_lanes(__m128 v) { return _mm256_cvtps_pd(v); }
+inline __m128 load_lanes(const float* p) { return _mm_loadu_ps(p); }
+inline void store_lanes(float* p, __m128 v) { _mm_storeu_ps(p, v); }
 #else
-  float v[kLanes];
-  explicit NarrowedLanes(const VecD& d) {
-    for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(d[l]);
-  }
-  explicit NarrowedLanes(const float* p) { std::copy_n(p, kLanes, v); }
-  VecD widened() const {
-    alignas(64) double d[kLanes];
-    for (int64_t l = 0; l < kLanes; ++l) d[l] = v[l];
-    return VecD::loadu(d);
-  }
-  void store(float* p) const { std::copy_n(v, kLanes, p); }
+struct FloatLanes {
+  float f[kLanes];
+};
+inline FloatLanes narrow_lanes(const VecD& d) {
+  FloatLanes h;
+  for (int64_t l = 0; l < kLanes; ++l) h.f[l] = static_cast<float>(d[l]);
+  return h;
+}
+inline VecD widen_lanes(const FloatLanes& v) {
+  alignas(64) double d[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) d[l] = v.f[l];
+  return VecD::loadu(d);
+}
+inline FloatLanes load_lanes(const float* p) {
+  FloatLanes h;
+  std::copy_n(p, kLanes, h.f);
+  return h;
+}
+inline void store_lanes(float* p, const FloatLanes& v) { std::copy_n(v.f, kLanes, p); }
 #endif
+using HalfFloats = decltype(narrow_lanes(VecD()));
+
+// kLanes doubles narrowed to float, or kLanes floats loaded as they are.
+struct NarrowedLanes {
+  HalfFloats v;
+  explicit NarrowedLanes(const VecD& d) : v(narrow_lanes(d)) {}
+  explicit NarrowedLanes(const float* p) : v(load_lanes(p)) {}
+  VecD widened() const { return widen_lanes(v); }
+  void store(float* p) const { store_lanes(p, v); }
   // The first n lanes.
   void store(float* p, int64_t n) const {
     if (n == kLanes) return store(p);
