@@ -190,6 +190,17 @@ void reduce_apply_planes(const T* x, const T* g, T* out, const MaskedView& v, Ru
   if (run == 0 && out) affine_planes<T, kDy>(x, g, out, v, a);
 }
 
+// f(at, n) on each valid run of channel c (planes form), in memory order.
+template <typename F>
+void for_channel_runs(const MaskedView& v, int64_t c, const F& f) {
+  const int64_t C = v.e.channels, S = v.e.inner;
+  for (int64_t o = 0; o < v.e.outer; ++o) {
+    const int64_t base = (o * C + c) * S;
+    for (int64_t k = v.run_offsets[o]; k < v.run_offsets[o + 1]; ++k)
+      f(base + v.runs[2 * k], v.runs[2 * k + 1] - v.runs[2 * k]);
+  }
+}
+
 // ---------------------------------------------------------------- kernels
 template <typename T>
 void forward_typed(const T* x, T* out, const MaskedView& v, MaskedMomentsFinish finish) {
@@ -207,12 +218,7 @@ void forward_typed(const T* x, T* out, const MaskedView& v, MaskedMomentsFinish 
   }
   reduce_apply_planes<T, false>(x, nullptr, out, v, RunPass::kForward, co, [&](int64_t c) {
     SpanMoments<T> s{static_cast<double>(x[(v.first_outer * C + c) * S + v.first_inner])};
-    for (int64_t o = 0; o < v.e.outer; ++o) {
-      const T* plane = x + (o * C + c) * S;
-      for (int64_t k = v.run_offsets[o]; k < v.run_offsets[o + 1]; ++k) {
-        s.add(plane + v.runs[2 * k], v.runs[2 * k + 1] - v.runs[2 * k]);
-      }
-    }
+    for_channel_runs(v, c, [&](int64_t at, int64_t n) { s.add(x + at, n); });
     co.set(c, finish(c, s.moments(v.count)));
   });
 }
@@ -221,7 +227,7 @@ void forward_typed(const T* x, T* out, const MaskedView& v, MaskedMomentsFinish 
 template <typename T>
 void backward_typed(const T* x, const T* g, T* out, const MaskedView& v, const double* mean,
                     MaskedGradFinish finish) {
-  const int64_t C = v.e.channels, S = v.e.inner;
+  const int64_t C = v.e.channels;
   Coefficients<T> co(C);
   if (v.rows) {
     const auto sums = reduce_rows<RowGradSums<T>>(
@@ -233,13 +239,7 @@ void backward_typed(const T* x, const T* g, T* out, const MaskedView& v, const d
   }
   reduce_apply_planes<T, true>(x, g, out, v, RunPass::kBackward, co, [&](int64_t c) {
     SpanGradSums<T> s{mean[c]};
-    for (int64_t o = 0; o < v.e.outer; ++o) {
-      const int64_t base = (o * C + c) * S;
-      for (int64_t k = v.run_offsets[o]; k < v.run_offsets[o + 1]; ++k) {
-        const int64_t b = v.runs[2 * k];
-        s.add(x + base + b, g + base + b, v.runs[2 * k + 1] - b);
-      }
-    }
+    for_channel_runs(v, c, [&](int64_t at, int64_t n) { s.add(x + at, g + at, n); });
     co.set(c, finish(c, s.sums()));
   });
 }
