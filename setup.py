@@ -70,7 +70,8 @@ CXX_FLAGS = [CXX_STD, "-O3", "-g0", "-fopenmp", "-fvisibility-inlines-hidden", *
 LINK_FLAGS = ["-fopenmp"]
 
 CPU_ISAS = cpu_build.isas(torch.backends.cpu.get_cpu_capability())
-ISA_FLAGS = {isa: cpu_build.flags(isa, CPU_ISAS) for isa in CPU_ISAS}
+# The compiler flags of each copy of the kernel sources this build makes.
+KERNEL_COPY_FLAGS = {isa: cpu_build.flags(isa, CPU_ISAS) for isa in CPU_ISAS}
 
 KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
 # The heavy headers most of the other C++ sources include (Python.h first, as
@@ -118,7 +119,7 @@ class BuildInOneQueue(BuildExtension):
         nvcc = list(ext.extra_compile_args.get("nvcc", []))
         generic = [os.path.abspath(s) for s in ext.sources]
         tasks = []  # (sources, output folder, cxx flags), longest first
-        for isa, flags in ISA_FLAGS.items():
+        for isa, flags in KERNEL_COPY_FLAGS.items():
             for source in KERNEL_SOURCES:
                 tasks.append(([source], os.path.join("isa", isa.lower()), cxx + flags))
         # nvcc's sources first, then the largest.
