@@ -6,7 +6,8 @@
 // order that depends on the data's shape only (planes: a channel at a time;
 // rows: blocks of kBlockRows rows merged in block order), so results are
 // bitwise the same for any thread count and any padding content.
-// * The sums are masked_sums.h's: float64 lanes, or compensated float64 sums.
+// * The sums are masked_sums.h's: float terms summed a few at a time into
+//   float64 lanes, float64 terms, or compensated float64 sums.
 // * The elementwise pass runs in the accumulation type on coefficients
 //   rounded by math::channel_affine, as the plain operators' pass does.
 // Scheduling (planes form): a thread sums a channel, or a run of short

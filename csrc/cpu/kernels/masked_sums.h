@@ -3,12 +3,13 @@
 // (rows form) in blocks merged in block order. Included by the per-ISA
 // kernel source only (see vec_io.h).
 //
-// * float32, float16 and bfloat16 data are summed in float64 lanes: the
-//   statistics as d = x - centre (exact in float64) and d^2 about the
-//   channel's first valid value (math::shifted_moments), the backward's sums
-//   as dy and dy * (x - mean). A float64 sum of such terms is far more accurate
-//   than the data type can hold; it costs a widening per element, which the
-//   memory traffic hides.
+// * float32, float16 and bfloat16 data: the statistics as d = x - centre
+//   and d^2 about the channel's first valid value (math::shifted_moments),
+//   the backward's sums as dy and dy * (x - mean). Over a channel's spans
+//   (planes form) the terms are float, summed plainly a few at a time and
+//   those partial sums added in float64 lanes; over rows (rows form) each
+//   term is float64 (channels side by side leave no run of terms to sum
+//   plainly first).
 // * float64 data take compensated.h's sums (ShiftedSums, ExactGradSums), one
 //   element at a time, as the CUDA kernels' threads do.
 #pragma once
@@ -87,15 +88,58 @@ inline void add_terms(Sums& sums, int64_t n, const StepTerms& terms, const Scala
   }
 }
 
+// Float terms, a step of them in float vectors.
+using FloatTerms = VF[2];
+// Steps of float terms summed plainly before their sums go into float64
+// lanes, as the plain kernels add a few terms plainly before each exact add
+// (exact_sum.h): float arithmetic per element instead of float64, which had
+// the masked sums take twice the plain sums' time per element.
+constexpr int64_t kFloatBlockSteps = 8;
+
+// kStep elements of float, float16 or bfloat16 data as two float vectors.
+template <typename T>
+inline void load_floats(const T* p, FloatTerms& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    f[0] = VF::loadu(p);
+    f[1] = VF::loadu(p + VF::size());
+  } else {
+    Io<T>::load(p, f);
+  }
+}
+
 // One span's sums (all terms into one total): float64 vectors, totalled at the end.
 struct SpanLaneSums {
   VD u[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
   VD uv[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
   double tail_u = 0.0, tail_uv = 0.0;
 
-  void add_lanes(int64_t, int k, const VD& a, const VD& b) {
-    u[k] = u[k] + a;
-    uv[k] = at::vec::fmadd(a, b, uv[k]);
+  // The first n - n % kStep elements: terms(i, u, v) makes the float terms
+  // of the step at i; their sums and the sums of u * v go into the float64
+  // lanes every kFloatBlockSteps steps. Returns where the tail starts.
+  template <typename StepTerms>
+  int64_t add_steps(int64_t n, const StepTerms& terms) {
+    const int64_t full = n - n % kStep;
+    for (int64_t i = 0; i < full;) {
+      const int64_t end = std::min(full, i + kFloatBlockSteps * kStep);
+      FloatTerms su = {VF(0.f), VF(0.f)}, suv = {VF(0.f), VF(0.f)};
+      for (; i < end; i += kStep) {
+        FloatTerms a, b;
+        terms(i, a, b);
+        for (int k = 0; k < 2; ++k) {
+          su[k] = su[k] + a[k];
+          suv[k] = at::vec::fmadd(a[k], b[k], suv[k]);
+        }
+      }
+      add_widened(u, su);
+      add_widened(uv, suv);
+    }
+    return full;
+  }
+  static void add_widened(VD (&to)[4], const FloatTerms& f) {
+    VD w[4];
+    widen(f[0], w[0], w[1]);
+    widen(f[1], w[2], w[3]);
+    for (int k = 0; k < 4; ++k) to[k] = to[k] + w[k];
   }
   void add_one(int64_t, double a, double b) {
     tail_u += a;
@@ -127,14 +171,12 @@ struct ChannelSums {
   }
 };
 
-// The k-th vector of a step's shift: one value for a whole span, or the
-// per-channel values of a row.
-inline VD shift_lanes(const VD& shift, int) { return shift; }
+// The k-th vector of a step's per-channel shift (a row's channels from the step's on).
 inline VD shift_lanes(const double* shift, int k) { return VD::loadu(shift + k * VD::size()); }
 
 // The statistics' terms: u = v = x - centre.
-template <typename T, typename Shift>
-inline void centred_terms(const T* x, const Shift& centre, Terms& u, Terms& v) {
+template <typename T>
+inline void centred_terms(const T* x, const double* centre, Terms& u, Terms& v) {
   VD w[4];
   load_step(x, w);
   for (int k = 0; k < 4; ++k) u[k] = v[k] = w[k] - shift_lanes(centre, k);
@@ -146,8 +188,8 @@ inline std::pair<double, double> centred_term(T x, double centre) {
 }
 
 // The gradient's terms: u = dy, v = x - mean.
-template <typename T, typename Shift>
-inline void gradient_terms(const T* x, const T* g, const Shift& mean, Terms& u, Terms& v) {
+template <typename T>
+inline void gradient_terms(const T* x, const T* g, const double* mean, Terms& u, Terms& v) {
   VD w[4];
   load_step(x, w);
   load_step(g, u);
@@ -166,10 +208,17 @@ struct SpanMoments {
   double centre;
   SpanLaneSums s;
 
+  // centre is one of the data's values, so a float exactly.
   void add(const T* x, int64_t n) {
-    const VD c(centre);
-    add_terms(s, n, [&](int64_t i, Terms& u, Terms& v) { centred_terms(x + i, c, u, v); },
-              [&](int64_t i) { return centred_term(x[i], centre); });
+    const VF c(static_cast<float>(centre));
+    const int64_t tail = s.add_steps(n, [&](int64_t i, FloatTerms& u, FloatTerms& v) {
+      load_floats(x + i, u);
+      for (int k = 0; k < 2; ++k) u[k] = v[k] = u[k] - c;
+    });
+    for (int64_t i = tail; i < n; ++i) {
+      const auto [a, b] = centred_term(x[i], centre);
+      s.add_one(i, a, b);
+    }
   }
   math::Moments<double> moments(int64_t count) const {
     return math::shifted_moments(static_cast<double>(count), centre, s.sum_u(), s.sum_uv());
@@ -196,12 +245,25 @@ struct SpanGradSums {
   double mean;
   SpanLaneSums s;
 
+  // Centred on the float nearest the mean, mean_f; sums() moves the sum of
+  // dy * (x - mean_f) to the mean: minus (mean - mean_f) * sum(dy).
   void add(const T* x, const T* g, int64_t n) {
-    const VD m(mean);
-    add_terms(s, n, [&](int64_t i, Terms& u, Terms& v) { gradient_terms(x + i, g + i, m, u, v); },
-              [&](int64_t i) { return gradient_term(x[i], g[i], mean); });
+    const float mf = static_cast<float>(mean);
+    const VF m(mf);
+    const int64_t tail = s.add_steps(n, [&](int64_t i, FloatTerms& u, FloatTerms& v) {
+      load_floats(g + i, u);
+      load_floats(x + i, v);
+      for (int k = 0; k < 2; ++k) v[k] = v[k] - m;
+    });
+    for (int64_t i = tail; i < n; ++i) {
+      const auto [a, b] = gradient_term(x[i], g[i], static_cast<double>(mf));
+      s.add_one(i, a, b);
+    }
   }
-  math::GradSums<double> sums() const { return {s.sum_u(), s.sum_uv()}; }
+  math::GradSums<double> sums() const {
+    const double sum_dy = s.sum_u();
+    return {sum_dy, s.sum_uv() - (mean - static_cast<double>(static_cast<float>(mean))) * sum_dy};
+  }
 };
 
 template <>
