@@ -40,22 +40,6 @@ constexpr int64_t kStep = 4 * VD::size();
 // Rows a block of the rows form reduces (its partial sums live in L1/L2).
 constexpr int64_t kBlockRows = 256;
 
-// kStep elements of float, float16 or bfloat16 data as four float64 vectors, in memory order.
-template <typename T>
-inline void load_step(const T* p, VD (&w)[4]) {
-  static_assert(2 * VF::size() == kStep);
-  if constexpr (std::is_same_v<T, float>) {
-    widen(VF::loadu(p), w[0], w[1]);
-    widen(VF::loadu(p + VF::size()), w[2], w[3]);
-  } else {
-    static_assert(Io<T>::kParts == 2);
-    VF f[2];
-    Io<T>::load(p, f);
-    widen(f[0], w[0], w[1]);
-    widen(f[1], w[2], w[3]);
-  }
-}
-
 // Four float64 vectors and a scalar tail summed in a fixed order.
 inline double total(const VD (&v)[4], double tail) {
   const VD s = (v[0] + v[1]) + (v[2] + v[3]);
@@ -72,22 +56,6 @@ inline double total(const VD (&v)[4], double tail) {
 // v = x - mean.
 using Terms = VD[4];
 
-// Adds the terms of n elements to `sums`: terms(i, u, v) makes the kStep
-// terms at i as vectors, scalar_terms(i) one element's as a pair of doubles.
-template <typename Sums, typename StepTerms, typename ScalarTerms>
-inline void add_terms(Sums& sums, int64_t n, const StepTerms& terms, const ScalarTerms& scalar_terms) {
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    Terms u, v;
-    terms(i, u, v);
-    for (int k = 0; k < 4; ++k) sums.add_lanes(i, k, u[k], v[k]);
-  }
-  for (; i < n; ++i) {
-    const auto [u, v] = scalar_terms(i);
-    sums.add_one(i, u, v);
-  }
-}
-
 // Float terms, a step of them in float vectors.
 using FloatTerms = VF[2];
 // Steps of float terms summed plainly before their sums go into float64
@@ -99,12 +67,28 @@ constexpr int64_t kFloatBlockSteps = 8;
 // kStep elements of float, float16 or bfloat16 data as two float vectors.
 template <typename T>
 inline void load_floats(const T* p, FloatTerms& f) {
+  static_assert(2 * VF::size() == kStep);
   if constexpr (std::is_same_v<T, float>) {
     f[0] = VF::loadu(p);
     f[1] = VF::loadu(p + VF::size());
   } else {
+    static_assert(Io<T>::kParts == 2);
     Io<T>::load(p, f);
   }
+}
+
+// A step's float vectors as four float64 vectors, in memory order.
+inline void widen_step(const FloatTerms& f, Terms& w) {
+  widen(f[0], w[0], w[1]);
+  widen(f[1], w[2], w[3]);
+}
+
+// kStep elements of float, float16 or bfloat16 data as four float64 vectors.
+template <typename T>
+inline void load_step(const T* p, Terms& w) {
+  FloatTerms f;
+  load_floats(p, f);
+  widen_step(f, w);
 }
 
 // One span's sums (all terms into one total): float64 vectors, totalled at the end.
@@ -113,11 +97,12 @@ struct SpanLaneSums {
   VD uv[4] = {VD(0.0), VD(0.0), VD(0.0), VD(0.0)};
   double tail_u = 0.0, tail_uv = 0.0;
 
-  // The first n - n % kStep elements: terms(i, u, v) makes the float terms
-  // of the step at i; their sums and the sums of u * v go into the float64
-  // lanes every kFloatBlockSteps steps. Returns where the tail starts.
-  template <typename StepTerms>
-  int64_t add_steps(int64_t n, const StepTerms& terms) {
+  // Adds n elements' terms: terms(i, u, v) makes the float terms of the
+  // step at i, whose sums and sums of u * v go into the float64 lanes every
+  // kFloatBlockSteps steps; scalar_terms(i) makes the last n % kStep
+  // elements' as a pair of doubles.
+  template <typename StepTerms, typename ScalarTerms>
+  void add(int64_t n, const StepTerms& terms, const ScalarTerms& scalar_terms) {
     const int64_t full = n - n % kStep;
     for (int64_t i = 0; i < full;) {
       const int64_t end = std::min(full, i + kFloatBlockSteps * kStep);
@@ -133,17 +118,16 @@ struct SpanLaneSums {
       add_widened(u, su);
       add_widened(uv, suv);
     }
-    return full;
+    for (int64_t i = full; i < n; ++i) {
+      const auto [a, b] = scalar_terms(i);
+      tail_u += a;
+      tail_uv = std::fma(a, b, tail_uv);
+    }
   }
   static void add_widened(VD (&to)[4], const FloatTerms& f) {
-    VD w[4];
-    widen(f[0], w[0], w[1]);
-    widen(f[1], w[2], w[3]);
+    Terms w;
+    widen_step(f, w);
     for (int k = 0; k < 4; ++k) to[k] = to[k] + w[k];
-  }
-  void add_one(int64_t, double a, double b) {
-    tail_u += a;
-    tail_uv = std::fma(a, b, tail_uv);
   }
   double sum_u() const { return total(u, tail_u); }
   double sum_uv() const { return total(uv, tail_uv); }
@@ -154,14 +138,25 @@ struct ChannelSums {
   std::vector<double> u, uv;
   explicit ChannelSums(int64_t channels) : u(channels, 0.0), uv(channels, 0.0) {}
 
-  void add_lanes(int64_t i, int k, const VD& a, const VD& b) {
-    const int64_t at = i + k * VD::size();
-    (VD::loadu(u.data() + at) + a).store(u.data() + at);
-    at::vec::fmadd(a, b, VD::loadu(uv.data() + at)).store(uv.data() + at);
-  }
-  void add_one(int64_t i, double a, double b) {
-    u[i] += a;
-    uv[i] = std::fma(a, b, uv[i]);
+  // Adds the terms of channels [0, n): terms(i, u, v) makes the kStep terms
+  // at i as float64 vectors, scalar_terms(i) one channel's as a pair of doubles.
+  template <typename StepTerms, typename ScalarTerms>
+  void add(int64_t n, const StepTerms& terms, const ScalarTerms& scalar_terms) {
+    int64_t i = 0;
+    for (; i + kStep <= n; i += kStep) {
+      Terms a, b;
+      terms(i, a, b);
+      for (int k = 0; k < 4; ++k) {
+        const int64_t at = i + k * VD::size();
+        (VD::loadu(u.data() + at) + a[k]).store(u.data() + at);
+        at::vec::fmadd(a[k], b[k], VD::loadu(uv.data() + at)).store(uv.data() + at);
+      }
+    }
+    for (; i < n; ++i) {
+      const auto [a, b] = scalar_terms(i);
+      u[i] += a;
+      uv[i] = std::fma(a, b, uv[i]);
+    }
   }
   void merge(const ChannelSums& o) {
     for (size_t c = 0; c < u.size(); ++c) {
@@ -171,15 +166,12 @@ struct ChannelSums {
   }
 };
 
-// The k-th vector of a step's per-channel shift (a row's channels from the step's on).
-inline VD shift_lanes(const double* shift, int k) { return VD::loadu(shift + k * VD::size()); }
-
-// The statistics' terms: u = v = x - centre.
+// The statistics' terms of a step of a row: u = v = x - centre (per channel).
 template <typename T>
 inline void centred_terms(const T* x, const double* centre, Terms& u, Terms& v) {
-  VD w[4];
+  Terms w;
   load_step(x, w);
-  for (int k = 0; k < 4; ++k) u[k] = v[k] = w[k] - shift_lanes(centre, k);
+  for (int k = 0; k < 4; ++k) u[k] = v[k] = w[k] - VD::loadu(centre + k * VD::size());
 }
 template <typename T>
 inline std::pair<double, double> centred_term(T x, double centre) {
@@ -187,13 +179,13 @@ inline std::pair<double, double> centred_term(T x, double centre) {
   return {d, d};
 }
 
-// The gradient's terms: u = dy, v = x - mean.
+// The gradient's terms of a step of a row: u = dy, v = x - mean (per channel).
 template <typename T>
 inline void gradient_terms(const T* x, const T* g, const double* mean, Terms& u, Terms& v) {
-  VD w[4];
+  Terms w;
   load_step(x, w);
   load_step(g, u);
-  for (int k = 0; k < 4; ++k) v[k] = w[k] - shift_lanes(mean, k);
+  for (int k = 0; k < 4; ++k) v[k] = w[k] - VD::loadu(mean + k * VD::size());
 }
 template <typename T>
 inline std::pair<double, double> gradient_term(T x, T g, double mean) {
@@ -211,14 +203,13 @@ struct SpanMoments {
   // centre is one of the data's values, so a float exactly.
   void add(const T* x, int64_t n) {
     const VF c(static_cast<float>(centre));
-    const int64_t tail = s.add_steps(n, [&](int64_t i, FloatTerms& u, FloatTerms& v) {
-      load_floats(x + i, u);
-      for (int k = 0; k < 2; ++k) u[k] = v[k] = u[k] - c;
-    });
-    for (int64_t i = tail; i < n; ++i) {
-      const auto [a, b] = centred_term(x[i], centre);
-      s.add_one(i, a, b);
-    }
+    s.add(
+        n,
+        [&](int64_t i, FloatTerms& u, FloatTerms& v) {
+          load_floats(x + i, u);
+          for (int k = 0; k < 2; ++k) u[k] = v[k] = u[k] - c;
+        },
+        [&](int64_t i) { return centred_term(x[i], centre); });
   }
   math::Moments<double> moments(int64_t count) const {
     return math::shifted_moments(static_cast<double>(count), centre, s.sum_u(), s.sum_uv());
@@ -250,15 +241,14 @@ struct SpanGradSums {
   void add(const T* x, const T* g, int64_t n) {
     const float mf = static_cast<float>(mean);
     const VF m(mf);
-    const int64_t tail = s.add_steps(n, [&](int64_t i, FloatTerms& u, FloatTerms& v) {
-      load_floats(g + i, u);
-      load_floats(x + i, v);
-      for (int k = 0; k < 2; ++k) v[k] = v[k] - m;
-    });
-    for (int64_t i = tail; i < n; ++i) {
-      const auto [a, b] = gradient_term(x[i], g[i], static_cast<double>(mf));
-      s.add_one(i, a, b);
-    }
+    s.add(
+        n,
+        [&](int64_t i, FloatTerms& u, FloatTerms& v) {
+          load_floats(g + i, u);
+          load_floats(x + i, v);
+          for (int k = 0; k < 2; ++k) v[k] = v[k] - m;
+        },
+        [&](int64_t i) { return gradient_term(x[i], g[i], static_cast<double>(mf)); });
   }
   math::GradSums<double> sums() const {
     const double sum_dy = s.sum_u();
@@ -287,7 +277,7 @@ struct RowMoments {
   explicit RowMoments(int64_t channels) : s(channels) {}
 
   void add_row(const T* x, const double* centre, int64_t channels) {
-    add_terms(s, channels, [&](int64_t c, Terms& u, Terms& v) { centred_terms(x + c, centre + c, u, v); },
+    s.add(channels, [&](int64_t c, Terms& u, Terms& v) { centred_terms(x + c, centre + c, u, v); },
               [&](int64_t c) { return centred_term(x[c], centre[c]); });
   }
   void merge(const RowMoments& b) { s.merge(b.s); }
@@ -319,7 +309,7 @@ struct RowGradSums {
   explicit RowGradSums(int64_t channels) : s(channels) {}
 
   void add_row(const T* x, const T* g, const double* mean, int64_t channels) {
-    add_terms(s, channels, [&](int64_t c, Terms& u, Terms& v) { gradient_terms(x + c, g + c, mean + c, u, v); },
+    s.add(channels, [&](int64_t c, Terms& u, Terms& v) { gradient_terms(x + c, g + c, mean + c, u, v); },
               [&](int64_t c) { return gradient_term(x[c], g[c], mean[c]); });
   }
   void merge(const RowGradSums& b) { s.merge(b.s); }
