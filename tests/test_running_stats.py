@@ -111,8 +111,29 @@ def test_traced_code_takes_tensor_arithmetic(monkeypatch):
     calls = []
     monkeypatch.setattr(_running_stats, "_UPDATE_OP", lambda *a: calls.append(a))
     rm, rv = torch.zeros(3), torch.ones(3)
-    _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), torch.tensor(4), 0.1)
+    # Per-channel counts (SyncBatchNorm's) and tensor momenta (momentum=None) stay tensors.
+    _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), torch.full((3,), 4.0), 0.1)
     _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), 4, torch.tensor(0.1))
     assert not calls
     _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), 4, 0.1)
     assert len(calls) == 1
+
+
+def test_host_count_of_eager_cpu_steps_takes_the_operator(monkeypatch):
+    # The masked operators' 0-dim CPU count is read on the host (no device to wait for).
+    calls = []
+    monkeypatch.setattr(_running_stats, "_UPDATE_OP", lambda *a: calls.append(a))
+    rm, rv = torch.zeros(3), torch.ones(3)
+    _running_stats.update_running_stats(rm, rv, torch.ones(3), torch.ones(3), torch.tensor(4.0, dtype=torch.float64),
+                                        0.1)
+    assert len(calls) == 1 and calls[0][4] == 4 and type(calls[0][4]) is int
+
+
+def test_host_count_keeps_traced_counts_tensors():
+    def step(rm, count):
+        _running_stats.update_running_stats(rm, None, torch.ones(3), torch.ones(3), count, 0.1)
+        return rm
+
+    traced = torch.jit.trace(step, (torch.zeros(3), torch.tensor(4.0)), check_trace=False)
+    rm = traced(torch.zeros(3), torch.tensor(0.0))  # an empty batch leaves the statistics alone
+    torch.testing.assert_close(rm, torch.zeros(3))

@@ -74,18 +74,12 @@ ValidPositions valid_positions(const at::Tensor& mask, const MaskedLayout& layou
   return p;
 }
 
-// A 1-D per-channel tensor as float64 values (`fill` when absent).
-std::vector<double> channel_values(const std::optional<at::Tensor>& t, int64_t channels, double fill) {
-  if (!t.has_value()) return std::vector<double>(channels, fill);
-  const at::Tensor d = t->to(at::kDouble).contiguous();
-  return std::vector<double>(d.const_data_ptr<double>(), d.const_data_ptr<double>() + channels);
-}
-
-// float64 values as a 1-D tensor of `dtype`, rounded once.
-at::Tensor channel_tensor(const std::vector<double>& v, at::ScalarType dtype) {
-  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kDouble));
-  std::copy(v.begin(), v.end(), t.mutable_data_ptr<double>());
-  return t.to(dtype);
+// A per-channel tensor as float64 values (`fill` when absent).
+std::vector<double> channel_values(const std::optional<at::Tensor>& t, const ChannelPlan& plan, double fill,
+                                   const at::Tensor& like) {
+  std::vector<double> v(plan.channels);
+  load_kernel_channels(t, plan, fill, like, v.data());
+  return v;
 }
 
 at::Tensor count_tensor(int64_t count) { return at::scalar_tensor(static_cast<double>(count), at::kDouble); }
@@ -94,21 +88,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
     const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
     const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
     const std::optional<at::Tensor>& variance, double epsilon) {
-  check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
-  const int64_t C = src.size(1);
+  const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
   const MaskedLayout layout = masked_layout(src);
   const ValidPositions valid = valid_positions(mask, layout);
   const MaskedView v = valid.view(layout);
   const bool frozen = mean.has_value();
   const auto stats_dtype = frozen ? mean->scalar_type() : accumulate_type(src.scalar_type());
 
-  std::vector<double> mean_d(C, 0.0), var_d(C, 0.0);
-  if (frozen) {
-    mean_d = channel_values(mean, C, 0.0);
-    var_d = channel_values(variance, C, 0.0);
-  }
+  // Frozen: the given statistics; batch statistics: filled in by the kernels' finish.
+  std::vector<double> mean_d = channel_values(mean, plan, 0.0, src), var_d = channel_values(variance, plan, 0.0, src);
   at::Tensor dst = masked_output(src, layout, output_allocator());
-  const std::vector<double> gamma_d = channel_values(gamma, C, 1.0), beta_d = channel_values(beta, C, 0.0);
+  const std::vector<double> gamma_d = channel_values(gamma, plan, 1.0, src),
+                            beta_d = channel_values(beta, plan, 0.0, src);
   auto coefficients = [&](int64_t c) -> MaskedChannelAffine {
     const auto f = math::forward_coefficients(var_d[c], gamma_d[c], beta_d[c], epsilon);
     return {mean_d[c], {0.0, f.scale, f.shift}};
@@ -123,21 +114,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
     masked_kernel_table().affine(layout.data, at::Tensor(), dst, v, coefficients);
   }
   if (frozen) return {dst, mean->clone(), variance->clone(), count_tensor(valid.count)};
-  return {dst, channel_tensor(mean_d, stats_dtype), channel_tensor(var_d, stats_dtype), count_tensor(valid.count)};
+  return {dst, kernel_channels_result(mean_d.data(), plan, stats_dtype, src),
+          kernel_channels_result(var_d.data(), plan, stats_dtype, src), count_tensor(valid.count)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
     const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
     const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
     std::array<bool, 3> output_mask) {
-  check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
-  const int64_t C = src.size(1);
+  const ChannelPlan plan = check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
+  const int64_t C = plan.channels;
   const MaskedLayout layout = masked_layout(src);
   const ValidPositions valid = valid_positions(mask, layout);
   const MaskedView v = valid.view(layout);
   const at::Tensor dy = to_masked_layout(diff_dst, layout);
-  const std::vector<double> mean_d = channel_values(mean, C, 0.0), var_d = channel_values(variance, C, 0.0),
-                            gamma_d = channel_values(gamma, C, 1.0);
+  const std::vector<double> mean_d = channel_values(mean, plan, 0.0, src),
+                            var_d = channel_values(variance, plan, 0.0, src),
+                            gamma_d = channel_values(gamma, plan, 1.0, src);
 
   std::vector<double> diff_gamma(C), diff_beta(C);
   const double count = static_cast<double>(valid.count);
@@ -162,8 +155,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
   }
   const auto stats_dtype = mean.scalar_type();
   return {output_mask[0] ? diff_src : at::empty({0}, src.options()),
-          output_mask[1] ? channel_tensor(diff_gamma, stats_dtype) : at::empty({0}, mean.options()),
-          output_mask[2] ? channel_tensor(diff_beta, stats_dtype) : at::empty({0}, mean.options())};
+          output_mask[1] ? kernel_channels_result(diff_gamma.data(), plan, stats_dtype, src)
+                         : at::empty({0}, mean.options()),
+          output_mask[2] ? kernel_channels_result(diff_beta.data(), plan, stats_dtype, src)
+                         : at::empty({0}, mean.options())};
 }
 
 }  // namespace
