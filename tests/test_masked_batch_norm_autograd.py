@@ -45,13 +45,22 @@ def test_gradcheck_and_gradgradcheck(layout, training):
         var = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
         inputs += [mean, var]
 
-        def fn(x, w, b, m, v):
-            return FORWARD(x, mask, w, b, m, v, 1e-3)[0]
+        def fn(x, w, b, m, v):  # the returned statistics are the given ones: their gradients add
+            dst, mean, var, _ = FORWARD(x, mask, w, b, m, v, 1e-3)
+            return dst, mean, var
 
     # gradcheck perturbs the padding too: its gradient must be 0 there, and NaN in it must not leak.
     x.data = torch.where(mask.unsqueeze(1) if x.dim() > 2 else mask[:, None], x.data, 0.0)
     assert torch.autograd.gradcheck(fn, inputs)
     assert torch.autograd.gradgradcheck(fn, inputs)  # random (non-uniform) upstream gradients
+
+
+def test_forward_mode_raises():
+    x, mask, weight, bias = small_inputs("contiguous")
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            FORWARD(dual, mask, weight, bias, None, None, 1e-3)
 
 
 def test_third_order_through_the_double_backward():
