@@ -62,7 +62,6 @@ const auto& act_backward_op() {
   return op;
 }
 
-bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 

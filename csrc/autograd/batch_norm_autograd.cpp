@@ -63,11 +63,9 @@ Outputs3 call_backward_op(const at::Tensor& src, const at::Tensor& diff_dst, con
 //
 // Batch statistics (training): diff_src, diff_gamma, diff_beta come from the
 // backward operator; gradients reaching the returned mean and variance add
-// grad_mean / M + grad_variance * 2 (x - mean) / M to diff_src.
-// Frozen statistics: dst = (x - mean) * g * r + beta with r = (variance + eps)^-1/2
-// gives d/dmean = -g r sum(dy) and d/dvariance = -g r^3 / 2 * sum(dy * (x - mean)), which is
-// -g r^2 / 2 * diff_gamma;
-// the returned statistics are the inputs themselves, so their gradients add.
+// batch_statistics_grad to diff_src. Frozen statistics: frozen_statistics_grads
+// (forward_grad.h); the returned statistics are the inputs themselves, so
+// their gradients add.
 Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& gamma, const at::Tensor& mean,
                                  const at::Tensor& variance, const OptionalTensor& grad_dst,
                                  const OptionalTensor& grad_mean, const OptionalTensor& grad_variance,
@@ -93,24 +91,19 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
   if (training) {
     if (need_src && (has_grad_mean || has_grad_variance)) {
       const c10::Scalar count(per_channel_count(src, mean));  // symbolic under torch.compile
-      at::Tensor extra = at::zeros({}, src.options().dtype(acc));
-      if (has_grad_mean) extra = extra + broadcastable(grad_mean->to(acc), src, data_format) / count;
-      if (has_grad_variance) {
-        const at::Tensor centred = src.to(acc) - broadcastable(mean.to(acc), src, data_format);
-        extra = extra + broadcastable(grad_variance->to(acc), src, data_format) * centred * 2 / count;
-      }
-      diff_src = diff_src + extra.to(src.scalar_type());
+      diff_src = diff_src + batch_statistics_grad(src, mean, has_grad_mean ? *grad_mean : at::Tensor(),
+                                                  has_grad_variance ? *grad_variance : at::Tensor(), count,
+                                                  data_format)
+                                .to(src.scalar_type());
     }
   } else if (need_mean || need_variance) {
-    const at::Tensor rstd = (variance.to(acc) + epsilon).rsqrt();
-    const at::Tensor g = gamma.has_value() && gamma->defined() ? gamma->to(acc) : at::ones_like(rstd);
+    std::tie(mean_grad, variance_grad) =
+        frozen_statistics_grads(gamma, variance, epsilon, diff_gamma, diff_beta, acc, need_mean, need_variance);
     if (need_mean) {
-      mean_grad = -(g * rstd) * diff_beta.to(acc);
       if (has_grad_mean) mean_grad = mean_grad + grad_mean->to(acc);
       mean_grad = mean_grad.to(mean.scalar_type());
     }
     if (need_variance) {
-      variance_grad = -0.5 * g * rstd * rstd * diff_gamma.to(acc);
       if (has_grad_variance) variance_grad = variance_grad + grad_variance->to(acc);
       variance_grad = variance_grad.to(variance.scalar_type());
     }
@@ -121,7 +114,6 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
 
 namespace {
 
-bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 
 // The autograd node of batch_norm_forward. A plain Node, as ATen's own are
 // (torch::autograd::Function is refused under torch.func transforms); the

@@ -16,6 +16,9 @@ using Outputs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Outputs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// An optional tensor argument that holds a tensor.
+inline bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
+
 // The handle of `name` ("torch_bn_grad::..."), typed with `Signature`, which
 // must be its schema's C++ signature; throws if the operator is not registered.
 // Keep it in a function-local static: the lookup takes the dispatcher's lock.

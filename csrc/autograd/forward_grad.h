@@ -11,6 +11,9 @@
 #include <array>
 #include <optional>
 #include <tuple>
+#include <utility>
+
+#include "autograd/channel_algebra.h"
 
 namespace torch_bn_grad {
 
@@ -22,5 +25,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_nor
     const at::Tensor& variance, const std::optional<at::Tensor>& grad_dst, const std::optional<at::Tensor>& grad_mean,
     const std::optional<at::Tensor>& grad_variance, double epsilon, c10::string_view data_format, bool training,
     std::optional<at::ScalarType> param_dtype, std::array<bool, 5> output_mask);
+
+// What gradients reaching the returned batch statistics add to diff_src:
+// grad_mean / count + grad_variance * 2 (x - mean) / count, in the
+// accumulation dtype; an undefined gradient adds nothing. `count` (per
+// channel) is a Scalar (symbolic under torch.compile) or a tensor (masked:
+// the valid count, on the device).
+template <class Count>
+at::Tensor batch_statistics_grad(const at::Tensor& src, const at::Tensor& mean, const at::Tensor& grad_mean,
+                                 const at::Tensor& grad_variance, const Count& count, c10::string_view data_format) {
+  const auto acc = accumulation_dtype(src);
+  at::Tensor extra = at::zeros({}, src.options().dtype(acc));
+  if (grad_mean.defined()) extra = extra + broadcastable(grad_mean.to(acc), src, data_format) / count;
+  if (grad_variance.defined()) {
+    const at::Tensor centred = src.to(acc) - broadcastable(mean.to(acc), src, data_format);
+    extra = extra + broadcastable(grad_variance.to(acc), src, data_format) * centred * 2 / count;
+  }
+  return extra;
+}
+
+// Frozen statistics: dst = (x - mean) * g * r + beta with r = (variance + eps)^-1/2
+// gives d/dmean = -g r sum(dy) = -g r diff_beta and d/dvariance =
+// -g r^3 / 2 * sum(dy * (x - mean)) = -g r^2 / 2 * diff_gamma, in `acc`;
+// each undefined unless wanted.
+inline std::pair<at::Tensor, at::Tensor> frozen_statistics_grads(
+    const std::optional<at::Tensor>& gamma, const at::Tensor& variance, double epsilon, const at::Tensor& diff_gamma,
+    const at::Tensor& diff_beta, at::ScalarType acc, bool need_mean, bool need_variance) {
+  const at::Tensor rstd = (variance.to(acc) + epsilon).rsqrt();
+  const at::Tensor g = gamma.has_value() && gamma->defined() ? gamma->to(acc) : at::ones_like(rstd);
+  return {need_mean ? -(g * rstd) * diff_beta.to(acc) : at::Tensor(),
+          need_variance ? -0.5 * g * rstd * rstd * diff_gamma.to(acc) : at::Tensor()};
+}
 
 }  // namespace torch_bn_grad

@@ -15,11 +15,13 @@
 #include <array>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "autograd/autograd_node.h"
 #include "autograd/channel_algebra.h"
 #include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
+#include "autograd/forward_grad.h"
 
 namespace torch_bn_grad {
 namespace {
@@ -42,7 +44,6 @@ const auto& masked_backward_op() {
   return op;
 }
 
-bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 
 std::optional<at::ScalarType> dtype_of(const OptionalTensor& t) {
   return given(t) ? std::optional<at::ScalarType>(t->scalar_type()) : std::nullopt;
@@ -54,13 +55,12 @@ at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Gradients with respect to (src, mask, gamma, beta, mean, variance) of
-// (dst, mean, variance, count) = batch_norm_masked_forward(...).
-// Batch statistics: dst's gradient through the backward operator; the
-// returned statistics' own gradients add, at valid positions,
-// grad_mean / count + grad_variance * 2 (x - mean) / count.
-// Frozen statistics: dst = g r (x - mean) + b gives d/dmean = -g r sum(dy) and
-// d/dvariance = -g r^3 / 2 sum(dy (x - mean)) = -g r^2 / 2 diff_gamma; the
-// returned statistics are the given ones, so their gradients add.
+// (dst, mean, variance, count) = batch_norm_masked_forward(...), the plain
+// forward's formulas (forward_grad.h) over valid positions: dst's gradient
+// through the backward operator; with batch statistics, their own gradients
+// add batch_statistics_grad at valid positions (the valid count per
+// channel); frozen statistics take frozen_statistics_grads, and as the
+// returned statistics are the given ones, their gradients add.
 struct MaskedForwardNode : public torch::autograd::Node {
   SavedVariable src, mask, gamma, mean, variance, count;
   double epsilon = 0;
@@ -90,23 +90,13 @@ struct MaskedForwardNode : public torch::autograd::Node {
       if (needs[2]) diff_gamma = to_dtype(dg, gamma_dtype);
       if (needs[3]) diff_beta = to_dtype(db, beta_dtype);
       if (frozen_stats) {
-        const at::Tensor r = (v.to(dg.scalar_type()) + epsilon).rsqrt();
-        const at::Tensor gv = g.defined() ? g.to(dg.scalar_type()) : at::ones_like(r);
-        diff_mean = -(gv * r) * db;
-        diff_variance = -0.5 * gv * r * r * dg;
+        std::tie(diff_mean, diff_variance) = frozen_statistics_grads(
+            g_stats, v, epsilon, dg, db, accumulation_dtype(x), needs[4], needs[5]);
       }
     }
     if (batch_statistics && needs[0] && (grad_mean.defined() || grad_variance.defined())) {
-      const auto acc = accumulation_dtype(x);
-      const at::Tensor n = count.unpack(self);
-      at::Tensor term = at::zeros({}, x.options().dtype(acc));
-      if (grad_mean.defined()) term = term + broadcastable(grad_mean.to(acc), x, "NCX") / n;
-      if (grad_variance.defined()) {
-        const at::Tensor xc = x.to(acc) - broadcastable(m.to(acc), x, "NCX");
-        term = term + broadcastable(grad_variance.to(acc), x, "NCX") * (2 * xc / n);
-      }
-      const at::Tensor stats_grad = at::where(valid.unsqueeze(1), term, 0).to(x.scalar_type());
-      diff_src = plus(diff_src, stats_grad);
+      const at::Tensor term = batch_statistics_grad(x, m, grad_mean, grad_variance, count.unpack(self), "NCX");
+      diff_src = plus(diff_src, at::where(valid.unsqueeze(1), term, 0).to(x.scalar_type()));
     }
     if (!batch_statistics) {  // the returned statistics are the given ones
       diff_mean = plus(diff_mean, grad_mean);
