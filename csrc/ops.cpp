@@ -206,6 +206,10 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   m.def(
       "batch_norm_update_running_stats(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
       "Tensor variance, int count, float momentum) -> ()");
+  // The same with `count` a 0-dim tensor (the masked forward's valid count), read on its device.
+  m.def(
+      "batch_norm_update_running_stats.counted(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
+      "Tensor variance, Tensor count, float momentum) -> ()");
 
   // Masked batch norm for padded batches (csrc/masked_batch_norm_args.h):
   // mask, bool of src's shape without dim 1 ((N,) for 2-D src), True where a

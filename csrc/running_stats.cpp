@@ -5,6 +5,7 @@
 //   running_mean <- lerp(running_mean, mean, momentum)
 //   running_var  <- lerp(running_var, variance * count / (count - 1), momentum)
 //
+// (.counted: the count as a 0-dim tensor, read on its device.)
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
 // Python update that torch.compile traces instead (_running_stats.py).
 #include <ATen/ATen.h>
@@ -72,15 +73,21 @@ bool one_cuda_kernel_applies(const std::optional<at::Tensor>& running_mean,
 }
 #endif
 
-void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
-                          const at::Tensor& mean, const at::Tensor& variance, int64_t count, double momentum) {
-  TORCH_CHECK_VALUE(count >= 0, "batch_norm_update_running_stats: count must be >= 0, got ", count);
+void check_one_value_per_channel(const std::optional<at::Tensor>& running_mean,
+                                 const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
+                                 const at::Tensor& variance) {
   for (const auto& [name, running, batch] : {std::tuple{"running_mean", &running_mean, &mean},
                                              std::tuple{"running_var", &running_var, &variance}}) {
     if (!running->has_value()) continue;
     TORCH_CHECK_VALUE((*running)->numel() == batch->numel(), "batch_norm_update_running_stats: ", name,
                       " must have one value per channel (", batch->numel(), "), got ", (*running)->numel());
   }
+}
+
+void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+                          const at::Tensor& mean, const at::Tensor& variance, int64_t count, double momentum) {
+  TORCH_CHECK_VALUE(count >= 0, "batch_norm_update_running_stats: count must be >= 0, got ", count);
+  check_one_value_per_channel(running_mean, running_var, mean, variance);
   if (count == 0) return;  // torch's BatchNorm leaves the running statistics of an empty batch alone
 #ifdef TORCH_BN_GRAD_WITH_CUDA
   if (one_cuda_kernel_applies(running_mean, running_var, mean, variance)) {
@@ -94,10 +101,46 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
   if (running_var.has_value()) update_one(*running_var, variance, bessel_factor(count), momentum);
 }
 
+// The update with the count held by a 0-dim tensor (a masked batch's valid
+// count, float64 on the statistics' device): read where it is, so that no
+// step waits for the device. A CPU count is read on the host; on a GPU one
+// kernel reads it there; other tensors take the tensor arithmetic of
+// _running_stats.py (no update where the count is 0).
+void update_running_stats_counted(const std::optional<at::Tensor>& running_mean,
+                                  const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
+                                  const at::Tensor& variance, const at::Tensor& count, double momentum) {
+  TORCH_CHECK_VALUE(count.dim() == 0, "batch_norm_update_running_stats: count must be a 0-dim tensor, got shape ",
+                    count.sizes());
+  check_one_value_per_channel(running_mean, running_var, mean, variance);
+  if (count.is_cpu()) {
+    update_running_stats(running_mean, running_var, mean, variance, static_cast<int64_t>(count.item<double>()),
+                         momentum);
+    return;
+  }
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+  if (count.device() == mean.device() && count.scalar_type() == at::kDouble &&
+      one_cuda_kernel_applies(running_mean, running_var, mean, variance)) {
+    cuda::update_running_stats(running_mean.has_value() ? &*running_mean : nullptr,
+                               running_var.has_value() ? &*running_var : nullptr, mean, variance, count, momentum);
+    return;
+  }
+#endif
+  const at::Tensor n = count.to(mean.device(), at::kDouble);
+  const at::Tensor seen = n.gt(0);
+  const at::Tensor factor = n / (n - 1).clamp_min(1);
+  for (const auto& [running, batch] : {std::pair{&running_mean, mean}, std::pair{&running_var, variance * factor}}) {
+    if (!running->has_value()) continue;
+    const at::Tensor& r = **running;
+    const at::Tensor moved = r.lerp(batch.to(r.scalar_type()).view(r.sizes()), momentum);
+    const_cast<at::Tensor&>(r).copy_(at::where(seen, moved, r));
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeExplicitAutograd, m) {
   m.impl("batch_norm_update_running_stats", &update_running_stats);
+  m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted);
 }
 
 }  // namespace torch_bn_grad

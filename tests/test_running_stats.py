@@ -137,3 +137,60 @@ def test_host_count_keeps_traced_counts_tensors():
     traced = torch.jit.trace(step, (torch.zeros(3), torch.tensor(4.0)), check_trace=False)
     rm = traced(torch.zeros(3), torch.tensor(0.0))  # an empty batch leaves the statistics alone
     torch.testing.assert_close(rm, torch.zeros(3))
+
+
+COUNTED = torch.ops.torch_bn_grad.batch_norm_update_running_stats.counted
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="a count held on a GPU needs one")
+
+
+def _buffers_and_stats(device, dtype, channels, strided=False):
+    stats_dtype = torch.promote_types(dtype, torch.float32)
+    g = torch.Generator().manual_seed(channels)
+    rm, rv = torch.randn(channels, generator=g).to(dtype), torch.rand(channels, generator=g).to(dtype)
+    if strided:  # not contiguous: the general path
+        rm = torch.stack([rm, rm], 1).to(device)[:, 0]
+        rv = torch.stack([rv, rv], 1).to(device)[:, 0]
+    mean = torch.randn(channels, generator=g, dtype=stats_dtype) * 100
+    var = torch.rand(channels, generator=g, dtype=stats_dtype) * 3
+    return tuple(t.to(device) for t in (rm, rv, mean, var))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("count", [0, 1, 2, 513])
+@pytest.mark.parametrize("device", DEVICES)
+def test_counted_operator_equals_the_int_count_one(device, count, dtype, strided):
+    """A count held by a 0-dim float64 tensor on the statistics' device (the masked
+    forward's) gives bitwise the update of the same count given as an int: on a GPU
+    the kernel reads it there, elsewhere the tensor arithmetic; count 0 changes nothing."""
+    rm, rv, mean, var = _buffers_and_stats(device, dtype, 37, strided)
+    expected_mean, expected_var = rm.clone(), rv.clone()
+    OP(expected_mean, expected_var, mean, var, count, 0.3)
+    COUNTED(rm, rv, mean, var, torch.tensor(float(count), dtype=torch.float64, device=device), 0.3)
+    assert torch.equal(rm, expected_mean) and torch.equal(rv, expected_var)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counted_operator_checks_and_bumps_versions(device):
+    rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
+    before = (rm._version, rv._version)
+    COUNTED(rm, rv, torch.ones(4, device=device), torch.ones(4, device=device),
+            torch.tensor(3.0, dtype=torch.float64, device=device), 0.1)
+    assert rm._version > before[0] and rv._version > before[1]
+    with pytest.raises(ValueError, match="count must be a 0-dim tensor"):
+        COUNTED(rm, rv, torch.ones(4, device=device), torch.ones(4, device=device), torch.ones(4, device=device), 0.1)
+    args = (rm, rv, torch.randn(4, device=device), torch.rand(4, device=device),
+            torch.tensor(5.0, dtype=torch.float64, device=device), 0.1)
+    torch.library.opcheck(COUNTED, args)
+
+
+@needs_cuda
+def test_cuda_count_takes_the_counted_operator(monkeypatch):
+    """An eager step's count on the GPU (a masked step's) goes to the one-kernel
+    operator, never to the host."""
+    calls = []
+    monkeypatch.setattr(_running_stats, "_COUNTED_UPDATE_OP", lambda *a: calls.append(a))
+    rm, rv = torch.zeros(3, device="cuda"), torch.ones(3, device="cuda")
+    count = torch.tensor(4.0, dtype=torch.float64, device="cuda")
+    _running_stats.update_running_stats(rm, rv, torch.ones(3, device="cuda"), torch.ones(3, device="cuda"), count, 0.1)
+    assert len(calls) == 1 and calls[0][4] is count

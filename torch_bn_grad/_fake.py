@@ -61,7 +61,11 @@ def _backward_outputs(op: str, src: Tensor, diff_dst: Tensor, mean: Tensor, outp
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_update_running_stats")
+@torch.library.register_fake("torch_bn_grad::batch_norm_update_running_stats.counted")
 def _batch_norm_update_running_stats_fake(running_mean, running_var, mean, variance, count, momentum):
+    if isinstance(count, Tensor):
+        torch._check_value(count.dim() == 0, lambda: "batch_norm_update_running_stats: count must be a 0-dim "
+                           f"tensor, got shape {tuple(count.shape)}")
     for name, running, batch in (("running_mean", running_mean, mean), ("running_var", running_var, variance)):
         torch._check_value(
             running is None or running.numel() == batch.numel(),

@@ -11,6 +11,7 @@ from torch_bn_grad import _compat
 
 
 _UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
+_COUNTED_UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.counted
 
 
 def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
@@ -21,6 +22,21 @@ def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor],
         type(count) is int
         and type(momentum) is float
         and not torch.compiler.is_compiling()
+        and not _compat.is_functorch_wrapped_tensor(mean)
+    )
+
+
+def _device_count_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
+    """A 0-dim count on the statistics' GPU (the masked operators' valid count) in an
+    eager step: the operator reads it there, in the update's one kernel."""
+    return (
+        type(count) is Tensor
+        and count.dim() == 0
+        and count.device == mean.device
+        and count.device.type != "cpu"
+        and type(momentum) is float
+        and not torch.compiler.is_compiling()
+        and not _compat.jit_tracing()
         and not _compat.is_functorch_wrapped_tensor(mean)
     )
 
@@ -56,6 +72,9 @@ def update_running_stats(
     if _one_call_applies(count, momentum, mean):
         # Not detached: the operator's Autograd kernel runs it below autograd, recording nothing.
         _UPDATE_OP(running_mean, running_var, mean, variance, count, momentum)
+        return
+    if _device_count_applies(count, momentum, mean):
+        _COUNTED_UPDATE_OP(running_mean, running_var, mean, variance, count, momentum)
         return
     # Detached rather than under no_grad (a context costs more than the update on small layers):
     # the buffers never require grad, so nothing is recorded.

@@ -209,11 +209,28 @@ void update_running_stats_autograd(const OptionalTensor& running_mean, const Opt
   if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
 }
 
+// The same for a count held by a tensor; the versions are bumped whatever it
+// holds (reading it could wait for the device).
+void update_running_stats_counted_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
+                                           const at::Tensor& mean, const at::Tensor& variance,
+                                           const at::Tensor& count, double momentum) {
+  static const auto op = typed_operator<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
+                                             const at::Tensor&, const at::Tensor&, double)>(
+      "torch_bn_grad::batch_norm_update_running_stats", "counted");
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.call(running_mean, running_var, mean, variance, count, momentum);
+  }
+  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
+  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_forward", &batch_norm_forward_autograd);
   m.impl("batch_norm_update_running_stats", &update_running_stats_autograd);
+  m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted_autograd);
 }
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeImplicitAutograd, m) {

@@ -19,12 +19,13 @@ using Outputs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 // An optional tensor argument that holds a tensor.
 inline bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 
-// The handle of `name` ("torch_bn_grad::..."), typed with `Signature`, which
-// must be its schema's C++ signature; throws if the operator is not registered.
-// Keep it in a function-local static: the lookup takes the dispatcher's lock.
+// The handle of `name` ("torch_bn_grad::...", overload `overload`), typed with
+// `Signature`, which must be its schema's C++ signature; throws if the operator
+// is not registered. Keep it in a function-local static: the lookup takes the
+// dispatcher's lock.
 template <class Signature>
-c10::TypedOperatorHandle<Signature> typed_operator(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+c10::TypedOperatorHandle<Signature> typed_operator(const char* name, const char* overload = "") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).typed<Signature>();
 }
 
 }  // namespace torch_bn_grad

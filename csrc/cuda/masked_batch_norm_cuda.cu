@@ -12,7 +12,6 @@
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -20,21 +19,40 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "math/compensated.h"
 #include "args/masked_layout.h"
+#include "cuda/channel_values.cuh"
 
 namespace torch_bn_grad::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// Blocks of the elementwise kernel's grid-stride loop: enough to fill any current GPU.
+constexpr int64_t kMostBlocks = 8192;
 
+// The data's extents in the index type I: int32_t wherever every index and
+// every grid-stride step fits (64-bit division is many times slower).
+template <typename I>
 struct Shape {
-  int64_t outer, channels, inner;
+  using Index = I;
+  I outer, channels, inner;
 };
+
+// Calls f(Shape<I>) with the narrowest index type for `extent`.
+template <typename F>
+void with_shape(const Extent& e, F&& f) {
+  const int64_t total = e.outer * e.channels * e.inner;
+  if (total <= std::numeric_limits<int32_t>::max() - kMostBlocks * kThreads) {
+    f(Shape<int32_t>{static_cast<int32_t>(e.outer), static_cast<int32_t>(e.channels), static_cast<int32_t>(e.inner)});
+  } else {
+    f(Shape<int64_t>{e.outer, e.channels, e.inner});
+  }
+}
 
 // The block's sum of each thread's compensated sum (thread 0 gets the total);
 // the order is fixed, so the result depends on the data alone.
@@ -62,89 +80,96 @@ __device__ int64_t block_count(int64_t n, int64_t* shared) {
   return total;
 }
 
+// Where channel c's element at mask position p lies in the data.
+template <typename I>
+__device__ __forceinline__ I element_of(const Shape<I>& s, I c, I p) {
+  return ((p / s.inner) * s.channels + c) * s.inner + p % s.inner;
+}
+
 // Channel c = blockIdx.x's coefficients for the forward: the batch statistics
-// (mean, var null: written to batch_mean, batch_var) or the given ones.
+// (mean absent: written to batch_mean, batch_var) or the given ones.
 // Block 0 also writes the valid count.
-template <typename T>
-__global__ void forward_coefficients_kernel(const T* __restrict__ x, const bool* __restrict__ mask, Shape s,
-                                            const double* gamma, const double* beta, const double* mean,
-                                            const double* var, double epsilon, double* batch_mean,
-                                            double* batch_var, double* count_out,
-                                            math::ChannelAffine<at::opmath_type<T>>* affine) {
+template <typename T, typename I>
+__global__ void forward_coefficients_kernel(const T* __restrict__ x, const bool* __restrict__ mask, Shape<I> s,
+                                            ChannelIn gamma, ChannelIn beta, ChannelIn mean, ChannelIn var,
+                                            double epsilon, ChannelOut batch_mean, ChannelOut batch_var,
+                                            double* count_out, math::ChannelAffine<at::opmath_type<T>>* affine) {
   __shared__ math::ExactSum<double> sums[kThreads];
   __shared__ int64_t counts[kThreads];
-  const int64_t c = blockIdx.x, positions = s.outer * s.inner;
+  const I c = blockIdx.x, positions = s.outer * s.inner;
+  const bool given = mean.data != nullptr;
   int64_t n = 0;
   math::ExactSum<double> sum{0.0, 0.0};
-  for (int64_t p = threadIdx.x; p < positions; p += kThreads) {
+  for (I p = threadIdx.x; p < positions; p += kThreads) {
     if (!mask[p]) continue;
     ++n;
-    if (mean == nullptr) math::add_exact(sum, static_cast<double>(x[((p / s.inner) * s.channels + c) * s.inner + p % s.inner]));
+    if (!given) math::add_exact(sum, static_cast<double>(x[element_of(s, c, p)]));
   }
   const int64_t count = block_count(n, counts);
   double m = 0.0, v = 0.0;
-  if (mean != nullptr) {
-    m = mean[c];
-    v = var[c];
+  if (given) {
+    m = mean.at(c, 0.0);
+    v = var.at(c, 0.0);
   } else if (count > 0) {
     m = block_total(sum, sums) / static_cast<double>(count);
     math::ExactSum<double> squares{0.0, 0.0};
-    for (int64_t p = threadIdx.x; p < positions; p += kThreads) {
+    for (I p = threadIdx.x; p < positions; p += kThreads) {
       if (!mask[p]) continue;
-      const double d = static_cast<double>(x[((p / s.inner) * s.channels + c) * s.inner + p % s.inner]) - m;
-      math::add_exact(squares, d * d);
+      const double d = static_cast<double>(x[element_of(s, c, p)]) - m;
+      math::add_exact(squares, __dmul_rn(d, d));
     }
     v = block_total(squares, sums) / static_cast<double>(count);
   }
   if (threadIdx.x != 0) return;
-  if (mean == nullptr) {
-    batch_mean[c] = m;
-    batch_var[c] = v;
+  if (!given) {
+    batch_mean.set(c, m);
+    batch_var.set(c, v);
   }
   if (c == 0) *count_out = static_cast<double>(count);
-  affine[c] = math::channel_affine<at::opmath_type<T>>(m, math::forward_coefficients(v, gamma[c], beta[c], epsilon));
+  affine[c] = math::channel_affine<at::opmath_type<T>>(
+      m, math::forward_coefficients(v, gamma.at(c, 1.0), beta.at(c, 0.0), epsilon));
 }
 
-// Channel c's gradient sums, parameter gradients and backward coefficients.
-template <typename T>
+// Channel c's gradient sums, parameter gradients (where wanted) and backward coefficients.
+template <typename T, typename I>
 __global__ void backward_coefficients_kernel(const T* __restrict__ x, const T* __restrict__ dy,
-                                             const bool* __restrict__ mask, Shape s, const double* mean,
-                                             const double* var, const double* gamma, double epsilon, bool training,
-                                             double* diff_gamma, double* diff_beta,
+                                             const bool* __restrict__ mask, Shape<I> s, ChannelIn mean,
+                                             ChannelIn var, ChannelIn gamma, double epsilon, bool training,
+                                             ChannelOut diff_gamma, ChannelOut diff_beta,
                                              math::ChannelAffine<at::opmath_type<T>>* affine) {
   __shared__ math::ExactSum<double> sums[kThreads];
   __shared__ int64_t counts[kThreads];
-  const int64_t c = blockIdx.x, positions = s.outer * s.inner;
-  const double m = mean[c];
+  const I c = blockIdx.x, positions = s.outer * s.inner;
+  const double m = mean.at(c, 0.0);
   int64_t n = 0;
   math::ExactSum<double> sum_dy{0.0, 0.0}, sum_dy_xc{0.0, 0.0};
-  for (int64_t p = threadIdx.x; p < positions; p += kThreads) {
+  for (I p = threadIdx.x; p < positions; p += kThreads) {
     if (!mask[p]) continue;
     ++n;
-    const int64_t at = ((p / s.inner) * s.channels + c) * s.inner + p % s.inner;
+    const I at = element_of(s, c, p);
     math::add_grad(sum_dy, sum_dy_xc, static_cast<double>(x[at]), static_cast<double>(dy[at]), m);
   }
   const int64_t count = block_count(n, counts);
   const math::GradSums<double> g{block_total(sum_dy, sums), block_total(sum_dy_xc, sums)};
   if (threadIdx.x != 0) return;
-  const double rstd = math::rstd_of(var[c], epsilon);
+  const double rstd = math::rstd_of(var.at(c, 0.0), epsilon);
   const auto p = math::parameter_grads(rstd, g);
-  diff_gamma[c] = p.diff_gamma;
-  diff_beta[c] = p.diff_beta;
+  if (diff_gamma.wanted()) diff_gamma.set(c, p.diff_gamma);
+  if (diff_beta.wanted()) diff_beta.set(c, p.diff_beta);
   affine[c] = math::channel_affine<at::opmath_type<T>>(
-      m, math::backward_coefficients(rstd, gamma[c], g, static_cast<double>(count), training));
+      m, math::backward_coefficients(rstd, gamma.at(c, 1.0), g, static_cast<double>(count), training));
 }
 
 // out = dy_scale * dy + x_scale * (x - mean) + bias at valid positions (no dy:
 // without its term), 0 at padded ones.
-template <typename T>
+template <typename T, typename I>
 __global__ void affine_kernel(const T* __restrict__ x, const T* __restrict__ dy, const bool* __restrict__ mask,
-                              Shape s, const math::ChannelAffine<at::opmath_type<T>>* affine, T* __restrict__ out) {
+                              Shape<I> s, const math::ChannelAffine<at::opmath_type<T>>* affine, T* __restrict__ out) {
   using A = at::opmath_type<T>;
-  const int64_t total = s.outer * s.channels * s.inner;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t o = e / (s.channels * s.inner), i = e % s.inner, c = (e / s.inner) % s.channels;
+  const I total = s.outer * s.channels * s.inner, plane = s.channels * s.inner;
+  for (I e = blockIdx.x * static_cast<I>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<I>(gridDim.x) * blockDim.x) {
+    const I o = e / plane, i = e % s.inner, c = (e / s.inner) % s.channels;
     if (!mask[o * s.inner + i]) {
       out[e] = T(0);
       continue;
@@ -156,16 +181,9 @@ __global__ void affine_kernel(const T* __restrict__ x, const T* __restrict__ dy,
   }
 }
 
-// Blocks of the elementwise kernel's grid-stride loop: enough to fill any current GPU.
 int affine_blocks(int64_t total) {
-  constexpr int64_t kMostBlocks = 8192;
   const int64_t wanted = (total + kThreads - 1) / kThreads;
   return static_cast<int>(wanted < 1 ? 1 : (wanted > kMostBlocks ? kMostBlocks : wanted));
-}
-
-at::Tensor doubles(const std::optional<at::Tensor>& t, int64_t channels, double fill, const at::Tensor& like) {
-  if (!t.has_value()) return at::full({channels}, fill, like.options().dtype(at::kDouble));
-  return t->to(at::kDouble).contiguous();
 }
 
 // The per-channel coefficients of the elementwise pass: `A` values, four a channel.
@@ -181,22 +199,24 @@ template <typename Coefficients>
 void run_masked_pass(const MaskedLayout& layout, const at::Tensor& valid, const at::Tensor& dy, const at::Tensor& out,
                      const Coefficients& coefficients) {
   const at::Tensor& data = layout.data;
-  const Shape s{layout.extent.outer, layout.extent.channels, layout.extent.inner};
-  if (s.channels == 0) return;
-  const at::Tensor affine = affine_buffer(data, s.channels);
+  if (layout.extent.channels == 0) return;
+  const at::Tensor affine = affine_buffer(data, layout.extent.channels);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_masked_cuda", [&] {
     using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
     auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
     const scalar_t* x = data.const_data_ptr<scalar_t>();
-    coefficients(a, x, s, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (out.numel() > 0) {
-      const scalar_t* g = dy.defined() ? dy.const_data_ptr<scalar_t>() : nullptr;
-      affine_kernel<scalar_t><<<affine_blocks(out.numel()), kThreads, 0, stream>>>(
-          x, g, valid.const_data_ptr<bool>(), s, a, out.mutable_data_ptr<scalar_t>());
+    with_shape(layout.extent, [&](const auto& s) {
+      using I = typename std::decay_t<decltype(s)>::Index;
+      coefficients(a, x, s, stream);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+      if (out.numel() > 0) {
+        const scalar_t* g = dy.defined() ? dy.const_data_ptr<scalar_t>() : nullptr;
+        affine_kernel<scalar_t, I><<<affine_blocks(out.numel()), kThreads, 0, stream>>>(
+            x, g, valid.const_data_ptr<bool>(), s, a, out.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
   });
 }
 
@@ -204,58 +224,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
     const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
     const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
     const std::optional<at::Tensor>& variance, double epsilon) {
-  check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
+  const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
   const c10::cuda::CUDAGuard guard(src.device());
-  const int64_t C = src.size(1);
   const MaskedLayout layout = masked_layout(src);
   const at::Tensor valid = mask.contiguous();
   const bool frozen = mean.has_value();
-  const at::Tensor gamma_d = doubles(gamma, C, 1.0, src), beta_d = doubles(beta, C, 0.0, src);
-  const at::Tensor mean_d = frozen ? doubles(mean, C, 0.0, src) : at::zeros({C}, src.options().dtype(at::kDouble));
-  const at::Tensor var_d = frozen ? doubles(variance, C, 0.0, src) : at::zeros({C}, src.options().dtype(at::kDouble));
-  const at::Tensor count = at::zeros({}, src.options().dtype(at::kDouble));
-  at::Tensor dst = masked_output(src, layout);
-  run_masked_pass(layout, valid, at::Tensor(), dst,
-                  [&](auto* a, const auto* x, const Shape& s, cudaStream_t stream) {
-                    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
-                    forward_coefficients_kernel<scalar_t><<<s.channels, kThreads, 0, stream>>>(
-                        x, valid.const_data_ptr<bool>(), s, gamma_d.const_data_ptr<double>(),
-                        beta_d.const_data_ptr<double>(), frozen ? mean_d.const_data_ptr<double>() : nullptr,
-                        frozen ? var_d.const_data_ptr<double>() : nullptr, epsilon, mean_d.mutable_data_ptr<double>(),
-                        var_d.mutable_data_ptr<double>(), count.mutable_data_ptr<double>(), a);
-                  });
-  if (frozen) return {dst, mean->clone(), variance->clone(), count};
+  const ChannelValues gamma_in = channel_values(gamma, plan, src), beta_in = channel_values(beta, plan, src);
+  const ChannelValues mean_in = channel_values(mean, plan, src), var_in = channel_values(variance, plan, src);
   const auto stats_dtype = accumulate_type(src.scalar_type());
-  return {dst, mean_d.to(stats_dtype), var_d.to(stats_dtype), count};
+  const ChannelResult batch_mean = frozen ? ChannelResult{} : channel_result(plan, stats_dtype, src);
+  const ChannelResult batch_var = frozen ? ChannelResult{} : channel_result(plan, stats_dtype, src);
+  const auto count_options = src.options().dtype(at::kDouble);
+  // Written by the kernel, which runs where there are channels.
+  const at::Tensor count = plan.channels > 0 ? at::empty({}, count_options) : at::zeros({}, count_options);
+  at::Tensor dst = masked_output(src, layout);
+  run_masked_pass(layout, valid, at::Tensor(), dst, [&](auto* a, const auto* x, const auto& s, cudaStream_t stream) {
+    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+    using I = typename std::decay_t<decltype(s)>::Index;
+    forward_coefficients_kernel<scalar_t, I><<<s.channels, kThreads, 0, stream>>>(
+        x, valid.const_data_ptr<bool>(), s, gamma_in.in, beta_in.in, mean_in.in, var_in.in, epsilon,
+        batch_mean.out, batch_var.out, count.mutable_data_ptr<double>(), a);
+  });
+  if (frozen) return {dst, mean->clone(), variance->clone(), count};
+  return {dst, batch_mean.finish(plan, stats_dtype, src), batch_var.finish(plan, stats_dtype, src), count};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cuda(
     const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
     const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
     std::array<bool, 3> output_mask) {
-  check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
+  const ChannelPlan plan = check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
   const c10::cuda::CUDAGuard guard(src.device());
-  const int64_t C = src.size(1);
   const MaskedLayout layout = masked_layout(src);
   const at::Tensor valid = mask.contiguous();
   const at::Tensor dy = to_masked_layout(diff_dst, layout);
-  const at::Tensor mean_d = doubles(mean, C, 0.0, src), var_d = doubles(variance, C, 0.0, src),
-                   gamma_d = doubles(gamma, C, 1.0, src);
-  const at::Tensor diff_gamma = at::zeros({C}, src.options().dtype(at::kDouble));
-  const at::Tensor diff_beta = at::zeros({C}, src.options().dtype(at::kDouble));
-  at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::empty({0}, src.options());
-  run_masked_pass(layout, valid, dy, diff_src,
-                  [&](auto* a, const auto* x, const Shape& s, cudaStream_t stream) {
-                    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
-                    backward_coefficients_kernel<scalar_t><<<s.channels, kThreads, 0, stream>>>(
-                        x, dy.const_data_ptr<scalar_t>(), valid.const_data_ptr<bool>(), s,
-                        mean_d.const_data_ptr<double>(), var_d.const_data_ptr<double>(),
-                        gamma_d.const_data_ptr<double>(), epsilon, training, diff_gamma.mutable_data_ptr<double>(),
-                        diff_beta.mutable_data_ptr<double>(), a);
-                  });
+  const ChannelValues mean_in = channel_values(mean, plan, src), var_in = channel_values(variance, plan, src),
+                      gamma_in = channel_values(gamma, plan, src);
   const auto stats_dtype = mean.scalar_type();
-  return {diff_src, output_mask[1] ? diff_gamma.to(stats_dtype) : at::empty({0}, mean.options()),
-          output_mask[2] ? diff_beta.to(stats_dtype) : at::empty({0}, mean.options())};
+  const ChannelResult diff_gamma = output_mask[1] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
+  const ChannelResult diff_beta = output_mask[2] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
+  at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::empty({0}, src.options());
+  run_masked_pass(layout, valid, dy, diff_src, [&](auto* a, const auto* x, const auto& s, cudaStream_t stream) {
+    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+    using I = typename std::decay_t<decltype(s)>::Index;
+    backward_coefficients_kernel<scalar_t, I><<<s.channels, kThreads, 0, stream>>>(
+        x, dy.const_data_ptr<scalar_t>(), valid.const_data_ptr<bool>(), s, mean_in.in, var_in.in, gamma_in.in,
+        epsilon, training, diff_gamma.out, diff_beta.out, a);
+  });
+  const auto absent = [&] { return at::empty({0}, mean.options()); };
+  return {diff_src, output_mask[1] ? diff_gamma.finish(plan, stats_dtype, src) : absent(),
+          output_mask[2] ? diff_beta.finish(plan, stats_dtype, src) : absent()};
 }
 
 }  // namespace

@@ -17,4 +17,10 @@ namespace torch_bn_grad::cuda {
 void update_running_stats(const at::Tensor* running_mean, const at::Tensor* running_var, const at::Tensor& mean,
                           const at::Tensor& variance, double factor, double momentum);
 
+// The same with the element count read on the device from `count` (a float64
+// scalar on mean's GPU: a masked batch's valid count, never brought to the
+// host): factor count / (count - 1) (1 for count 1), and no change at count 0.
+void update_running_stats(const at::Tensor* running_mean, const at::Tensor* running_var, const at::Tensor& mean,
+                          const at::Tensor& variance, const at::Tensor& count, double momentum);
+
 }  // namespace torch_bn_grad::cuda
