@@ -116,9 +116,11 @@ def under_autocast(run: Callable, device_type: str, autocast: Optional[str]) -> 
 
 
 def _step_body(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, target: torch.Tensor,
-               autocast: Optional[str] = None) -> Callable:
+               autocast: Optional[str] = None, static_grads: bool = False) -> Callable:
     """One iteration, not waited for; with `autocast` (a dtype's name) the
-    forward runs under torch.autocast, as mixed-precision training runs it."""
+    forward runs under torch.autocast, as mixed-precision training runs it.
+    `static_grads` (a step captured by torch.cuda.graph): the gradients are
+    zeroed in place, never freed, so that each replay writes where the capture did."""
     forward = under_autocast(run, x.device.type, autocast)
     if mode == "eval":
         def evaluate() -> None:
@@ -128,11 +130,13 @@ def _step_body(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     def train() -> None:
-        # Under capture the gradients come from the graph's pool and stay there.
+        if static_grads:
+            optimizer.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(forward(x).float(), target)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not static_grads:
+            optimizer.zero_grad(set_to_none=True)
 
     return train
 
@@ -143,7 +147,7 @@ def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, 
     for its kernels). `graphed`: the iteration is captured once with
     torch.cuda.graph, after warm-up steps on a side stream (torch's
     whole-network recipe), and each step replays it."""
-    body = _step_body(model, run, mode, x, target, autocast)
+    body = _step_body(model, run, mode, x, target, autocast, static_grads=graphed)
     if not x.is_cuda:
         return body
     if not graphed:
@@ -158,7 +162,10 @@ def _step_fn(model: torch.nn.Module, run: Callable, mode: str, x: torch.Tensor, 
             body()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # A capture stream of its own: graphs captured on one stream share its cached
+    # cuBLAS workspace, which a later capture can free under an earlier graph
+    # (pytorch/pytorch#193402: illegal address on replay).
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         body()
 
     def replay() -> None:
