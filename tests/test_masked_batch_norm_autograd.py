@@ -33,16 +33,16 @@ def small_inputs(layout: str, seed: int = 0):
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "2d"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "frozen"])
-def test_gradcheck_and_gradgradcheck(layout, training):
-    x, mask, weight, bias = small_inputs(layout)
+def test_gradcheck_and_gradgradcheck(device, layout, training):
+    x, mask, weight, bias = (t.to(device) for t in small_inputs(layout))
     inputs = [x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()]
     if training:
         def fn(x, w, b):
             dst, mean, var, _ = FORWARD(x, mask, w, b, None, None, 1e-3)
             return dst, mean, var
     else:
-        mean = torch.randn(3, dtype=torch.float64).requires_grad_()
-        var = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
+        mean = torch.randn(3, dtype=torch.float64).to(device).requires_grad_()
+        var = (torch.rand(3, dtype=torch.float64) + 0.5).to(device).requires_grad_()
         inputs += [mean, var]
 
         def fn(x, w, b, m, v):  # the returned statistics are the given ones: their gradients add
@@ -94,13 +94,15 @@ def test_double_backward_ignores_padding_content():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_opcheck(dtype, layout):
+def test_opcheck(device, dtype, layout):
     x, mask = padded_batch((3, 4, 10), dtype, seed=2)
     if layout == "transposed":
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     w, b = torch.rand(4) + 0.5, torch.randn(4)
+    x, mask, w, b = (t.to(device) for t in (x, mask, w, b))
     torch.library.opcheck(FORWARD, (x.requires_grad_(), mask, w.requires_grad_(), b, None, None, 1e-5))
-    torch.library.opcheck(FORWARD, (x, mask, w, b, torch.zeros(4), torch.ones(4), 1e-5))
+    torch.library.opcheck(FORWARD, (x, mask, w, b, torch.zeros(4, device=device), torch.ones(4, device=device),
+                                    1e-5))
     dst, mean, var, _ = FORWARD(x, mask, w, b, None, None, 1e-5)
     dy = torch.randn_like(x)
     torch.library.opcheck(BACKWARD, (x, mask, dy, mean, var, w, 1e-5, True, [True, True, True]))

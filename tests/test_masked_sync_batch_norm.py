@@ -1,31 +1,28 @@
-"""Masked SyncBatchNorm over 2 processes (gloo on 127.0.0.1) against the
-float64 gather -> batch norm -> scatter reference on the whole batch: outputs,
-input gradients, summed parameter gradients and running statistics, with
-ranks holding different valid counts, one holding only padding, and neither
-holding any."""
+"""Masked SyncBatchNorm over 2 processes (gloo on 127.0.0.1; on CUDA tensors
+too, the ranks sharing a GPU) against the float64 gather -> batch norm ->
+scatter reference on the whole batch: outputs, input gradients, summed
+parameter gradients and running statistics, with ranks holding different
+valid counts, one holding only padding, and neither holding any."""
 
 from __future__ import annotations
 
-import datetime
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torch_bn_grad
 from masked_reference import gathered_forward, lengths_mask
+from reference import DEVICES
+from spawned_ranks import WORLD_SIZE, run_on_ranks
 
-WORLD_SIZE = 2
 # Per scenario: the lengths of each rank's sequences (frames of 12).
 SCENARIOS = {
     "uneven": ([12, 5, 9], [3, 7]),
     "rank-of-padding": ([12, 4], [0, 0, 0]),
     "all-padding": ([0, 0], [0]),
 }
+assert all(len(per_rank) == WORLD_SIZE for per_rank in SCENARIOS.values())
 CHANNELS, FRAMES = 4, 12
+TIMEOUT_S = 180
 
 
 def batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,31 +34,28 @@ def batch(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, to
     return x, dy, mask
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
-                                timeout=datetime.timedelta(seconds=60))
-        results = {}
-        for name, per_rank in SCENARIOS.items():
-            m = torch_bn_grad.nn.SyncBatchNorm(CHANNELS).double()
-            x, dy, mask = batch(per_rank[rank], seed=10 * list(SCENARIOS).index(name) + rank)
-            x.requires_grad_()
-            out = m(x, mask)
-            out.backward(dy)
-            results[name] = dict(out=out.detach(), grad=x.grad, weight_grad=m.weight.grad, bias_grad=m.bias.grad,
-                                 running_mean=m.running_mean, running_var=m.running_var)
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except Exception:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def _train(rank: int, device: str) -> dict:
+    """Each scenario's step on this rank's part, on `device`; results on the CPU."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    results = {}
+    for name, per_rank in SCENARIOS.items():
+        m = torch_bn_grad.nn.SyncBatchNorm(CHANNELS).double().to(device)
+        x, dy, mask = (t.to(device) for t in batch(per_rank[rank], seed=10 * list(SCENARIOS).index(name) + rank))
+        x.requires_grad_()
+        out = m(x, mask)
+        out.backward(dy)
+        found = dict(out=out.detach(), grad=x.grad, weight_grad=m.weight.grad, bias_grad=m.bias.grad,
+                     running_mean=m.running_mean, running_var=m.running_var)
+        results[name] = {key: value.cpu() for key, value in found.items()}
+    return results
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("masked_sync")
-    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD_SIZE, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+@pytest.fixture(scope="module", params=DEVICES)
+def ranks(request, tmp_path_factory):
+    """What each rank found, on gloo (which carries CUDA tensors through host memory)."""
+    out = tmp_path_factory.mktemp(f"masked_sync_{request.param}")
+    return run_on_ranks(_train, (request.param,), out, TIMEOUT_S, backend="gloo")
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
