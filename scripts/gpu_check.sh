@@ -14,8 +14,9 @@
 #   bench        python -m torch_bn_grad.bench --device cuda (ResNet-50 shapes at batch 32)
 #   models       the ResNet-50 training step (batch 64, 224x224, channels_last, eager and
 #                compiled; float32 and bfloat16 autocast), ours and fused against native
-#   models-graphs  the same training step under CUDA graphs: captured whole (torch.cuda.graph)
-#                and torch.compile(mode="reduce-overhead"), float32
+#   models-graphs  the same training step captured whole with torch.cuda.graph, float32
+#   models-reduce-overhead  the same under torch.compile(mode="reduce-overhead") (three
+#                compilations of ResNet-50: give it two minutes or more)
 #   masked       benchmarks/masked.py --device cuda: masked vs unmasked vs the gather workaround
 #   profile      benchmarks/profile_model.py --device cuda: kernel tables of a ResNet-50 step
 #   other-tests  the rest of the suite (CPU cases, nvcc compile check, distributed)
@@ -112,11 +113,15 @@ for spec in "${STAGES[@]}"; do
                     --executions eager --autocast bfloat16 --json "$OUT/models_bf16.json" ;;
         models-graphs) run_stage models-graphs "$PY" -m torch_bn_grad.bench --device cuda --model resnet50 --fuse \
                     --batch-size 64 --resolution 224 --modes train --layouts channels_last \
-                    --executions cuda-graph,reduce-overhead --json "$OUT/models_graphs.json" ;;
+                    --executions cuda-graph --json "$OUT/models_cuda_graph.json" ;;
+        models-reduce-overhead) run_stage models-reduce-overhead "$PY" -m torch_bn_grad.bench --device cuda \
+                    --model resnet50 --fuse --batch-size 64 --resolution 224 --modes train --layouts channels_last \
+                    --executions reduce-overhead --json "$OUT/models_reduce_overhead.json" ;;
         masked) run_stage masked "$PY" benchmarks/masked.py --device cuda --processes 3 --json "$OUT/masked.json" ;;
         profile) run_stage profile "$PY" benchmarks/profile_model.py --device cuda ;;
         other-tests) run_stage other-tests "${PYTEST[@]}" -k "not ($GPU_TESTS)" --junitxml="$OUT/other-tests.xml" ;;
-        *) echo "unknown stage: $stage (build, gpu-tests, host-cost, bench, models, models-graphs, masked, profile, other-tests)"; exit 2 ;;
+        *) echo "unknown stage: $stage (build, gpu-tests, host-cost, bench, models, models-graphs," \
+                "models-reduce-overhead, masked, profile, other-tests)"; exit 2 ;;
     esac
 done
 exit $failed
