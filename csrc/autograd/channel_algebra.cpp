@@ -55,6 +55,12 @@ at::Tensor plain_cast(const at::Tensor& t, at::ScalarType dtype) {
 
 }  // namespace
 
+at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined()) return b;
+  if (!b.defined()) return a;
+  return a + b;
+}
+
 at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
   if (!t.defined() || !dtype.has_value() || t.scalar_type() == *dtype) return t;
   return plain_cast_applies(t, *dtype) ? plain_cast(t, *dtype) : t.to(*dtype);

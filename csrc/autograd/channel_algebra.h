@@ -16,6 +16,9 @@ namespace torch_bn_grad {
 // The dtype the autograd formulas compute in: float32 for half-precision data.
 at::ScalarType accumulation_dtype(const at::Tensor& src);
 
+// a + b, an undefined tensor meaning zero (a gradient or tangent not given).
+at::Tensor plus(const at::Tensor& a, const at::Tensor& b);
+
 // `t` in `dtype` (as it is when undefined, already of it, or no dtype given).
 at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype);
 

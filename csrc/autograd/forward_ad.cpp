@@ -5,16 +5,6 @@
 #include <torch/library.h>
 
 namespace torch_bn_grad {
-namespace {
-
-// a + b, either undefined meaning zero.
-at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined()) return b;
-  if (!b.defined()) return a;
-  return a + b;
-}
-
-}  // namespace
 
 at::Tensor tangent_of(const std::optional<at::Tensor>& t) {
   // ATen's autograd kernels read level 0: torch.func levels wrap it.

@@ -49,11 +49,6 @@ std::optional<at::ScalarType> dtype_of(const OptionalTensor& t) {
   return given(t) ? std::optional<at::ScalarType>(t->scalar_type()) : std::nullopt;
 }
 
-at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined()) return b;
-  return b.defined() ? a + b : a;
-}
-
 // Gradients with respect to (src, mask, gamma, beta, mean, variance) of
 // (dst, mean, variance, count) = batch_norm_masked_forward(...), the plain
 // forward's formulas (forward_grad.h) over valid positions: dst's gradient
