@@ -14,40 +14,36 @@ _UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
 _COUNTED_UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.counted
 
 
+def _eager(mean: Tensor) -> bool:
+    """Not traced by torch.compile and not under a torch.func transform: such code
+    takes the tensor arithmetic below, which they see through."""
+    return not torch.compiler.is_compiling() and not _compat.is_functorch_wrapped_tensor(mean)
+
+
+def _scalar_count(count: Union[int, Tensor]) -> bool:
+    """A 0-dim count tensor (the masked operators' valid count) outside torch.jit.trace,
+    which would freeze a value read from it."""
+    return type(count) is Tensor and count.dim() == 0 and not _compat.jit_tracing()
+
+
 def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
     """Eager steps with host-known count and momentum take the operator (one call,
-    the same roundings); traced code (torch.compile, export) and torch.func
-    transforms take the tensor arithmetic below, which they see through."""
-    return (
-        type(count) is int
-        and type(momentum) is float
-        and not torch.compiler.is_compiling()
-        and not _compat.is_functorch_wrapped_tensor(mean)
-    )
+    the same roundings)."""
+    return type(count) is int and type(momentum) is float and _eager(mean)
 
 
 def _device_count_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
     """A 0-dim count on the statistics' GPU (the masked operators' valid count) in an
     eager step: the operator reads it there, in the update's one kernel."""
-    return (
-        type(count) is Tensor
-        and count.dim() == 0
-        and count.device == mean.device
-        and count.device.type != "cpu"
-        and type(momentum) is float
-        and not torch.compiler.is_compiling()
-        and not _compat.jit_tracing()
-        and not _compat.is_functorch_wrapped_tensor(mean)
-    )
+    return (_scalar_count(count) and count.device == mean.device and count.device.type != "cpu"
+            and type(momentum) is float and _eager(mean))
 
 
 def _host_count(count: Union[int, Tensor]) -> Union[int, Tensor]:
     """A 0-dim CPU count tensor (the masked operators') as an int in eager steps, so that
     the update takes the operator: reading it waits for no device, and the tensor
-    arithmetic is a dozen small operators, 80 us of a small layer's step. Traced
-    code keeps the tensor (torch.jit.trace would freeze the value)."""
-    if (type(count) is Tensor and count.dim() == 0 and count.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not _compat.jit_tracing() and not _compat.is_functorch_wrapped_tensor(count)):
+    arithmetic is a dozen small operators, 80 us of a small layer's step."""
+    if _scalar_count(count) and count.device.type == "cpu" and _eager(count):
         return int(count)
     return count
 

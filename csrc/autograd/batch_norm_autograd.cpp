@@ -191,38 +191,41 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
   return outputs;
 }
 
-// The running statistics are buffers, never differentiated: the update runs
-// below autograd, and bumps their version counters as any in-place op does (a
-// graph that saved them then refuses to run backward).
+// The running statistics are buffers, never differentiated: `call` runs the
+// update below autograd, and the version counters are bumped, as any in-place
+// op does (a graph that saved them then refuses to run backward), unless the
+// update cannot have changed them.
+template <class Call>
+void update_below_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var, bool may_change,
+                           const Call& call) {
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    call();
+  }
+  if (!may_change) return;
+  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
+  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+}
+
 void update_running_stats_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
                                    const at::Tensor& mean, const at::Tensor& variance, int64_t count,
                                    double momentum) {
   static const auto op = typed_operator<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
                                              const at::Tensor&, int64_t, double)>(
       "torch_bn_grad::batch_norm_update_running_stats");
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    op.call(running_mean, running_var, mean, variance, count, momentum);
-  }
-  if (count == 0) return;
-  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
-  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+  update_below_autograd(running_mean, running_var, count != 0,
+                        [&] { op.call(running_mean, running_var, mean, variance, count, momentum); });
 }
 
-// The same for a count held by a tensor; the versions are bumped whatever it
-// holds (reading it could wait for the device).
+// The count held by a tensor: bumped whatever it holds (reading it could wait for the device).
 void update_running_stats_counted_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
                                            const at::Tensor& mean, const at::Tensor& variance,
                                            const at::Tensor& count, double momentum) {
   static const auto op = typed_operator<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
                                              const at::Tensor&, const at::Tensor&, double)>(
       "torch_bn_grad::batch_norm_update_running_stats", "counted");
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    op.call(running_mean, running_var, mean, variance, count, momentum);
-  }
-  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
-  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+  update_below_autograd(running_mean, running_var, true,
+                        [&] { op.call(running_mean, running_var, mean, variance, count, momentum); });
 }
 
 }  // namespace
