@@ -11,7 +11,7 @@ row with no synchronization, divided by the count: the launches of so few calls
 never fill the device's queue, so the loop runs at the host's pace. Launches,
 kernels and GPU time are read from ``torch.profiler`` over ten calls.
 ``--trace DIR`` also writes a Chrome trace of each implementation's module step
-on the first shape.
+on every shape, dtype and layout.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
     parser.add_argument("--json", default="")
-    parser.add_argument("--trace", default="", help="folder for Chrome traces of the first shape's module step")
+    parser.add_argument("--trace", default="", help="folder for Chrome traces of the module steps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_cost.py measures CUDA calls: no CUDA device")
@@ -109,7 +109,7 @@ def main() -> None:
                         host["ours"].append(host_us(ours, args.calls))
                     name = f"{'x'.join(map(str, shape))} {dtype_name} {layout} {direction}"
                     traces = {}
-                    if args.trace and shape == shapes[0] and direction == "module":
+                    if args.trace and direction == "module":
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         traces = {k: str(Path(args.trace) / f"{k}_{name.replace(' ', '_')}.json")
                                   for k in ("native", "ours")}
