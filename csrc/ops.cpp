@@ -210,6 +210,15 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   m.def(
       "batch_norm_update_running_stats.counted(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
       "Tensor variance, Tensor count, float momentum) -> ()");
+  // batch_norm_forward with batch statistics that then updates the running
+  // statistics with them, as batch_norm_update_running_stats does with the
+  // elements per channel as count: an eager training step's forward in one
+  // call from Python (csrc/running_stats.cpp).
+  m.def(
+      "batch_norm_forward.update(Tensor src, Tensor? gamma, Tensor? beta, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, float momentum, float epsilon, str data_format) "
+      "-> (Tensor dst, Tensor mean, Tensor variance)",
+      {at::Tag::flexible_layout});
 
   // Masked batch norm for padded batches (csrc/masked_batch_norm_args.h):
   // mask, bool of src's shape without dim 1 ((N,) for 2-D src), True where a

@@ -5,7 +5,8 @@
 //   running_mean <- lerp(running_mean, mean, momentum)
 //   running_var  <- lerp(running_var, variance * count / (count - 1), momentum)
 //
-// (.counted: the count as a 0-dim tensor, read on its device.)
+// (.counted: the count as a 0-dim tensor, read on its device;
+// batch_norm_forward.update: the training forward, then this update.)
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
 // Python update that torch.compile traces instead (_running_stats.py).
 #include <ATen/ATen.h>
@@ -15,6 +16,8 @@
 #include <cmath>
 #include <optional>
 
+#include "args/batch_norm_args.h"
+#include "autograd/dispatch_handles.h"
 #include "cpu/kernels/kernel_table.h"
 #ifdef TORCH_BN_GRAD_WITH_CUDA
 #include "cuda/running_stats_cuda.h"
@@ -136,11 +139,32 @@ void update_running_stats_counted(const std::optional<at::Tensor>& running_mean,
   }
 }
 
+// The training forward (batch statistics), then the update with its
+// statistics and the elements per channel as count: one call from Python for
+// an eager step (the update's own call from Python was a fifth of a small
+// layer's training forward on the CPU).
+Outputs3 forward_and_update(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                            const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& running_mean,
+                            const std::optional<at::Tensor>& running_var, double momentum, double epsilon,
+                            c10::string_view data_format) {
+  static const auto forward =
+      typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
+                              const OptionalTensor&, double, c10::string_view)>("torch_bn_grad::batch_norm_forward");
+  check_running_stats_device(src, running_mean, running_var);
+  Outputs3 outputs = forward.call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
+  const auto& [dst, mean, variance] = outputs;
+  const int64_t channels = mean.numel();
+  update_running_stats(running_mean, running_var, mean, variance, channels > 0 ? src.numel() / channels : 0,
+                       momentum);
+  return outputs;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeExplicitAutograd, m) {
   m.impl("batch_norm_update_running_stats", &update_running_stats);
   m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted);
+  m.impl("batch_norm_forward.update", &forward_and_update);
 }
 
 }  // namespace torch_bn_grad

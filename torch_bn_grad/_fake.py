@@ -31,6 +31,14 @@ def _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_for
     return torch.empty_like(src), src.new_empty(shape, dtype=dtype), src.new_empty(shape, dtype=dtype)
 
 
+@torch.library.register_fake("torch_bn_grad::batch_norm_forward.update")
+def _batch_norm_forward_update_fake(src, gamma, beta, running_mean, running_var, momentum, epsilon, data_format):
+    check_same_device("batch_norm_forward.update", src, running_mean=running_mean, running_var=running_var)
+    outputs = _batch_norm_forward_fake(src, gamma, beta, None, None, epsilon, data_format)
+    _batch_norm_update_running_stats_fake(running_mean, running_var, outputs[1], outputs[2], 0, momentum)
+    return outputs
+
+
 @torch.library.register_fake("torch_bn_grad::batch_norm_stats_affine")
 def _batch_norm_stats_affine_fake(src, gamma, beta, epsilon, data_format):
     check_same_device("batch_norm_stats_affine", src, gamma=gamma, beta=beta)

@@ -32,6 +32,13 @@ def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor],
     return type(count) is int and type(momentum) is float and _eager(mean)
 
 
+def forward_update_applies(input: Tensor, momentum: Union[float, Tensor]) -> bool:
+    """Whether a training forward takes ``batch_norm_forward.update`` (the forward and
+    the update in one call): where the update would take its one-call operator
+    with the elements per channel as count, the same update."""
+    return type(momentum) is float and _eager(input)
+
+
 def _device_count_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
     """A 0-dim count on the statistics' GPU (the masked operators' valid count) in an
     eager step: the operator reads it there, in the update's one kernel."""

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from torch_bn_grad._checks import check_activation
 from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
-from torch_bn_grad._running_stats import update_running_stats
+from torch_bn_grad._running_stats import forward_update_applies, update_running_stats
 
 __all__ = ["batch_norm", "batch_norm_act"]
 
@@ -53,7 +53,11 @@ def batch_norm(
         )
         return dst
     _check_training("batch_norm", input, eps)
-    # The operator itself: its wrapper's Python-type checks are moot here (eps is a checked number).
+    # The operators themselves: their wrappers' Python-type checks are moot here (eps is a checked number).
+    if (running_mean is not None or running_var is not None) and forward_update_applies(input, momentum):
+        dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.update(
+            input, weight, bias, running_mean, running_var, momentum, float(eps), "NCX")
+        return dst
     dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(
         input, weight, bias, None, None, float(eps), "NCX")
     _update(input, running_mean, running_var, mean, var, momentum)

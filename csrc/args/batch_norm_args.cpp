@@ -239,6 +239,13 @@ ChannelPlan check_backward_statistics(const char* op, const at::Tensor& data, co
 
 }  // namespace
 
+void check_running_stats_device(const at::Tensor& src, const std::optional<at::Tensor>& running_mean,
+                                const std::optional<at::Tensor>& running_var) {
+  const char* op = "batch_norm_forward.update";
+  if (running_mean.has_value()) check_same_device(op, "running_mean", *running_mean, src);
+  if (running_var.has_value()) check_same_device(op, "running_var", *running_var, src);
+}
+
 ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_dst,
                                 const at::Tensor& mean, const at::Tensor& variance,
                                 const std::optional<at::Tensor>& gamma, double epsilon,

@@ -53,6 +53,11 @@ ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Te
                                const std::optional<at::Tensor>& variance, double epsilon,
                                c10::string_view data_format);
 
+// batch_norm_forward.update's running statistics, before the forward runs:
+// on src's device (their count per channel is the update's own check).
+void check_running_stats_device(const at::Tensor& src, const std::optional<at::Tensor>& running_mean,
+                                const std::optional<at::Tensor>& running_var);
+
 // The masked operators' arguments: those of batch_norm_forward / _backward
 // (channel axis 1, src of rank 2 or more, 1-D per-channel tensors), and
 // `mask`, bool of src's shape without dim 1, on src's device (TypeError for

@@ -148,9 +148,13 @@ struct ForwardNode : public torch::autograd::Node {
   }
 };
 
-Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
-                                     const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
-                                     c10::string_view data_format) {
+// The Autograd kernel of batch_norm_forward and of its .update overload:
+// `call` runs the operator below autograd; the node, the saved tensors and the
+// tangents are batch_norm_forward's.
+template <class Call>
+Outputs3 forward_with_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
+                               const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
+                               c10::string_view data_format, const Call& call) {
   NodePtr<ForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance)) {
     node = make_node<ForwardNode>();
@@ -158,7 +162,7 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
   }
   auto outputs = [&] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format);
+    return call();
   }();
   if (has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) || has_tangent(variance)) {
     const auto& [dst, mean_used, variance_used] = outputs;
@@ -191,9 +195,40 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
   return outputs;
 }
 
+Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
+                                     const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
+                                     c10::string_view data_format) {
+  return forward_with_autograd(src, gamma, beta, mean, variance, epsilon, data_format,
+                               [&] { return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format); });
+}
+
+// In-place ops bump their outputs' version counters (a graph that saved them
+// then refuses to run backward): the running statistics' buffers, after an
+// update below autograd.
+void bump_versions(const OptionalTensor& running_mean, const OptionalTensor& running_var) {
+  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
+  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+}
+
+// The forward's autograd, then the buffers' versions bumped (an empty batch's
+// too: whether it is empty may be symbolic here).
+Outputs3 batch_norm_forward_update_autograd(const at::Tensor& src, const OptionalTensor& gamma,
+                                            const OptionalTensor& beta, const OptionalTensor& running_mean,
+                                            const OptionalTensor& running_var, double momentum, double epsilon,
+                                            c10::string_view data_format) {
+  static const auto op =
+      typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
+                              const OptionalTensor&, double, double, c10::string_view)>(
+          "torch_bn_grad::batch_norm_forward", "update");
+  Outputs3 outputs = forward_with_autograd(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format, [&] {
+    return op.call(src, gamma, beta, running_mean, running_var, momentum, epsilon, data_format);
+  });
+  bump_versions(running_mean, running_var);
+  return outputs;
+}
+
 // The running statistics are buffers, never differentiated: `call` runs the
-// update below autograd, and the version counters are bumped, as any in-place
-// op does (a graph that saved them then refuses to run backward), unless the
+// update below autograd, and the version counters are bumped unless the
 // update cannot have changed them.
 template <class Call>
 void update_below_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var, bool may_change,
@@ -202,9 +237,7 @@ void update_below_autograd(const OptionalTensor& running_mean, const OptionalTen
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     call();
   }
-  if (!may_change) return;
-  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
-  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
+  if (may_change) bump_versions(running_mean, running_var);
 }
 
 void update_running_stats_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
@@ -232,6 +265,7 @@ void update_running_stats_counted_autograd(const OptionalTensor& running_mean, c
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_forward", &batch_norm_forward_autograd);
+  m.impl("batch_norm_forward.update", &batch_norm_forward_update_autograd);
   m.impl("batch_norm_update_running_stats", &update_running_stats_autograd);
   m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted_autograd);
 }
