@@ -26,17 +26,17 @@ def _scalar_count(count: Union[int, Tensor]) -> bool:
     return type(count) is Tensor and count.dim() == 0 and not _compat.jit_tracing()
 
 
+def forward_update_applies(input: Tensor, momentum: Union[float, Tensor]) -> bool:
+    """Whether a training forward takes ``batch_norm_forward.update`` (the forward and
+    the update in one call): an eager step with a host-known momentum, where the
+    update would take its one-call operator with the elements per channel as count."""
+    return type(momentum) is float and _eager(input)
+
+
 def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
     """Eager steps with host-known count and momentum take the operator (one call,
     the same roundings)."""
-    return type(count) is int and type(momentum) is float and _eager(mean)
-
-
-def forward_update_applies(input: Tensor, momentum: Union[float, Tensor]) -> bool:
-    """Whether a training forward takes ``batch_norm_forward.update`` (the forward and
-    the update in one call): where the update would take its one-call operator
-    with the elements per channel as count, the same update."""
-    return type(momentum) is float and _eager(input)
+    return type(count) is int and forward_update_applies(mean, momentum)
 
 
 def _device_count_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:

@@ -54,7 +54,7 @@ def batch_norm(
         return dst
     _check_training("batch_norm", input, eps)
     # The operators themselves: their wrappers' Python-type checks are moot here (eps is a checked number).
-    if (running_mean is not None or running_var is not None) and forward_update_applies(input, momentum):
+    if forward_update_applies(input, momentum):  # absent buffers: the update does nothing
         dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.update(
             input, weight, bias, running_mean, running_var, momentum, float(eps), "NCX")
         return dst
