@@ -219,6 +219,17 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "Tensor(b!)? running_var, float momentum, float epsilon, str data_format) "
       "-> (Tensor dst, Tensor mean, Tensor variance)",
       {at::Tag::flexible_layout});
+  // The same for the fused forward and its sign-bits form: batch_norm_act_forward
+  // (or _sign_bits) with batch statistics, then that update.
+  m.def(
+      "batch_norm_act_forward.update(Tensor src, Tensor? gamma, Tensor? beta, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, Tensor? residual, float momentum, float epsilon, str activation, "
+      "float negative_slope, str data_format, bool memory_saving) -> (Tensor dst, Tensor mean, Tensor variance)",
+      {at::Tag::flexible_layout});
+  m.def(
+      "batch_norm_act_forward_sign_bits.update(Tensor src, Tensor? gamma, Tensor? beta, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, Tensor? residual, float momentum, float epsilon, str activation, "
+      "float negative_slope, str data_format) -> (Tensor dst, Tensor mean, Tensor variance, Tensor dst_positive)");
 
   // Masked batch norm for padded batches (csrc/masked_batch_norm_args.h):
   // mask, bool of src's shape without dim 1 ((N,) for 2-D src), True where a

@@ -6,7 +6,8 @@
 //   running_var  <- lerp(running_var, variance * count / (count - 1), momentum)
 //
 // (.counted: the count as a 0-dim tensor, read on its device;
-// batch_norm_forward.update: the training forward, then this update.)
+// batch_norm_forward.update, batch_norm_act_forward(_sign_bits).update: the
+// training forward, then this update.)
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
 // Python update that torch.compile traces instead (_running_stats.py).
 #include <ATen/ATen.h>
@@ -17,6 +18,7 @@
 #include <optional>
 
 #include "args/batch_norm_args.h"
+#include "autograd/act_handles.h"
 #include "autograd/dispatch_handles.h"
 #include "cpu/kernels/kernel_table.h"
 #ifdef TORCH_BN_GRAD_WITH_CUDA
@@ -139,10 +141,22 @@ void update_running_stats_counted(const std::optional<at::Tensor>& running_mean,
   }
 }
 
-// The training forward (batch statistics), then the update with its
-// statistics and the elements per channel as count: one call from Python for
-// an eager step (the update's own call from Python was a fifth of a small
-// layer's training forward on the CPU).
+// The update of a training forward's outputs (mean and variance at 1 and 2),
+// with the elements per channel as count: the .update overloads' second step.
+template <class Outputs>
+Outputs then_update(Outputs outputs, const at::Tensor& src, const std::optional<at::Tensor>& running_mean,
+                    const std::optional<at::Tensor>& running_var, double momentum) {
+  const at::Tensor& mean = std::get<1>(outputs);
+  const at::Tensor& variance = std::get<2>(outputs);
+  const int64_t channels = mean.numel();
+  update_running_stats(running_mean, running_var, mean, variance, channels > 0 ? src.numel() / channels : 0,
+                       momentum);
+  return outputs;
+}
+
+// The training forward (batch statistics), then the update: one call from
+// Python for an eager step (the update's own call from Python was a fifth of
+// a small layer's training forward on the CPU).
 Outputs3 forward_and_update(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
                             const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& running_mean,
                             const std::optional<at::Tensor>& running_var, double momentum, double epsilon,
@@ -151,12 +165,31 @@ Outputs3 forward_and_update(const at::Tensor& src, const std::optional<at::Tenso
       typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
                               const OptionalTensor&, double, c10::string_view)>("torch_bn_grad::batch_norm_forward");
   check_running_stats_device(src, running_mean, running_var);
-  Outputs3 outputs = forward.call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
-  const auto& [dst, mean, variance] = outputs;
-  const int64_t channels = mean.numel();
-  update_running_stats(running_mean, running_var, mean, variance, channels > 0 ? src.numel() / channels : 0,
-                       momentum);
-  return outputs;
+  return then_update(forward.call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format), src,
+                     running_mean, running_var, momentum);
+}
+
+// The fused forward's two entries, likewise.
+Outputs3 act_forward_and_update(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
+                                const OptionalTensor& running_mean, const OptionalTensor& running_var,
+                                const OptionalTensor& residual, double momentum, double epsilon,
+                                c10::string_view activation, double negative_slope, c10::string_view data_format,
+                                bool memory_saving) {
+  check_running_stats_device(src, running_mean, running_var);
+  return then_update(act_forward_op().call(src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon,
+                                           activation, negative_slope, data_format, memory_saving),
+                     src, running_mean, running_var, momentum);
+}
+
+Outputs4 act_forward_sign_bits_and_update(const at::Tensor& src, const OptionalTensor& gamma,
+                                          const OptionalTensor& beta, const OptionalTensor& running_mean,
+                                          const OptionalTensor& running_var, const OptionalTensor& residual,
+                                          double momentum, double epsilon, c10::string_view activation,
+                                          double negative_slope, c10::string_view data_format) {
+  check_running_stats_device(src, running_mean, running_var);
+  return then_update(act_forward_sign_bits_op().call(src, gamma, beta, std::nullopt, std::nullopt, residual,
+                                                     epsilon, activation, negative_slope, data_format),
+                     src, running_mean, running_var, momentum);
 }
 
 }  // namespace
@@ -165,6 +198,8 @@ TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeExplicitAutograd, m) {
   m.impl("batch_norm_update_running_stats", &update_running_stats);
   m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted);
   m.impl("batch_norm_forward.update", &forward_and_update);
+  m.impl("batch_norm_act_forward.update", &act_forward_and_update);
+  m.impl("batch_norm_act_forward_sign_bits.update", &act_forward_sign_bits_and_update);
 }
 
 }  // namespace torch_bn_grad

@@ -206,7 +206,8 @@ def test_sign_bits_operator_is_differentiable(activation):
 
 
 def test_traced_graphs_keep_the_plain_forward():
-    """make_fx (a dispatch mode, as inside torch.compile / export) records batch_norm_act_forward, not the bits."""
+    """make_fx (a dispatch mode, as inside torch.compile / export) records batch_norm_act_forward (the eager
+    step's .update overload), not the bits."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     x, r, w, b = _case((4, 8, 4, 4), False, torch.float32)
@@ -217,7 +218,7 @@ def test_traced_graphs_keep_the_plain_forward():
 
     graph = make_fx(step)(x.requires_grad_(), w.requires_grad_())
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
-    assert "torch_bn_grad.batch_norm_act_forward.default" in targets
+    assert "torch_bn_grad.batch_norm_act_forward.update" in targets
     assert not any("sign_bits" in t for t in targets)
     assert "torch_bn_grad.batch_norm_act_backward.default" in targets
 

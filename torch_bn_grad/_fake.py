@@ -31,12 +31,19 @@ def _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_for
     return torch.empty_like(src), src.new_empty(shape, dtype=dtype), src.new_empty(shape, dtype=dtype)
 
 
-@torch.library.register_fake("torch_bn_grad::batch_norm_forward.update")
-def _batch_norm_forward_update_fake(src, gamma, beta, running_mean, running_var, momentum, epsilon, data_format):
-    check_same_device("batch_norm_forward.update", src, running_mean=running_mean, running_var=running_var)
-    outputs = _batch_norm_forward_fake(src, gamma, beta, None, None, epsilon, data_format)
+def _then_update(op, src, running_mean, running_var, momentum, forward):
+    """An .update overload's fake: its buffers' checks, then the training forward's
+    fake (``forward()``, its mean and variance at 1 and 2) and the update's."""
+    check_same_device(op, src, running_mean=running_mean, running_var=running_var)
+    outputs = forward()
     _batch_norm_update_running_stats_fake(running_mean, running_var, outputs[1], outputs[2], 0, momentum)
     return outputs
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_forward.update")
+def _batch_norm_forward_update_fake(src, gamma, beta, running_mean, running_var, momentum, epsilon, data_format):
+    return _then_update("batch_norm_forward.update", src, running_mean, running_var, momentum,
+                        lambda: _batch_norm_forward_fake(src, gamma, beta, None, None, epsilon, data_format))
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_stats_affine")
@@ -145,6 +152,23 @@ def _batch_norm_act_forward_sign_bits_fake(src, gamma, beta, mean, variance, res
     # a size known only when the kernel runs.
     size = torch.library.get_ctx().new_dynamic_size()
     return dst, mean_out, variance_out, src.new_empty(size, dtype=torch.uint8)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_act_forward.update")
+def _batch_norm_act_forward_update_fake(src, gamma, beta, running_mean, running_var, residual, momentum, epsilon,
+                                        activation, negative_slope, data_format, memory_saving):
+    return _then_update("batch_norm_act_forward.update", src, running_mean, running_var, momentum,
+                        lambda: _batch_norm_act_forward_fake(src, gamma, beta, None, None, residual, epsilon,
+                                                             activation, negative_slope, data_format, memory_saving))
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_act_forward_sign_bits.update")
+def _batch_norm_act_forward_sign_bits_update_fake(src, gamma, beta, running_mean, running_var, residual, momentum,
+                                                  epsilon, activation, negative_slope, data_format):
+    return _then_update("batch_norm_act_forward_sign_bits.update", src, running_mean, running_var, momentum,
+                        lambda: _batch_norm_act_forward_sign_bits_fake(src, gamma, beta, None, None, residual,
+                                                                       epsilon, activation, negative_slope,
+                                                                       data_format))
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_act_backward")

@@ -158,6 +158,11 @@ def batch_norm_act(
                        "NCX", bool(memory_saving))
         return dst
     _check_training("batch_norm_act", input, eps)
+    if forward_update_applies(input, momentum):  # as in batch_norm: the forward and the update in one call
+        dst, _, _ = torch.ops.torch_bn_grad.batch_norm_act_forward.update(
+            input, weight, bias, running_mean, running_var, residual, momentum, float(eps), activation, slope,
+            "NCX", bool(memory_saving))
+        return dst
     dst, mean, var = op(input, weight, bias, None, None, residual, float(eps), activation, slope, "NCX",
                         bool(memory_saving))
     _update(input, running_mean, running_var, mean, var, momentum)

@@ -26,7 +26,9 @@
 #include <optional>
 #include <string>
 
+#include "autograd/act_handles.h"
 #include "autograd/autograd_node.h"
+#include "autograd/buffer_versions.h"
 #include "autograd/channel_algebra.h"
 #include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
@@ -37,31 +39,6 @@ namespace {
 
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-const auto& act_forward_op() {
-  static const auto op = typed_operator<Outputs3(
-      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-      const OptionalTensor&, double, c10::string_view, double, c10::string_view, bool)>(
-      "torch_bn_grad::batch_norm_act_forward");
-  return op;
-}
-
-const auto& act_forward_sign_bits_op() {
-  static const auto op = typed_operator<Outputs4(
-      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-      const OptionalTensor&, double, c10::string_view, double, c10::string_view)>(
-      "torch_bn_grad::batch_norm_act_forward_sign_bits");
-  return op;
-}
-
-const auto& act_backward_op() {
-  static const auto op = typed_operator<Outputs4(
-      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
-      const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
-      c10::string_view, bool, bool, std::array<bool, 4>, const OptionalTensor&)>(
-      "torch_bn_grad::batch_norm_act_backward");
-  return op;
-}
-
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 
@@ -208,13 +185,15 @@ void set_act_forward_tangents(const Outputs4& outputs, const at::Tensor& src, co
 // backward can read them (relu, leaky_relu, eager CPU, not memory saving).
 enum class SignBits { kAsked, kWhereUseful };
 
-// The autograd formula of both forward operators; the sign bits, when
-// returned, carry no gradient.
+// The autograd formula of the forward operators and their .update overloads;
+// the sign bits, when returned, carry no gradient. `call(sign_bits)` runs the
+// operator below autograd, with dst's sign bits or an undefined fourth tensor.
+template <class Call>
 Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
                               const OptionalTensor& mean, const OptionalTensor& variance,
                               const OptionalTensor& residual, double epsilon, c10::string_view activation,
                               double negative_slope, c10::string_view data_format, bool memory_saving,
-                              SignBits bits_wanted) {
+                              SignBits bits_wanted, const Call& call) {
   NodePtr<ActForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance, residual)) {
     node = make_node<ActForwardNode>();
@@ -226,13 +205,7 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
                           (!given(residual) || eager_cpu(*residual)));
   Outputs4 outputs = [&]() -> Outputs4 {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    if (sign_bits) {
-      return act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
-                                             negative_slope, data_format);
-    }
-    auto [d, m, v] = act_forward_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
-                                           negative_slope, data_format, memory_saving);
-    return {d, m, v, at::Tensor()};
+    return call(sign_bits);
   }();
   const bool forward_ad = has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) ||
                           has_tangent(variance) || has_tangent(residual);
@@ -275,15 +248,31 @@ Outputs4 act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma
   return outputs;
 }
 
+Outputs4 with_undefined_bits(const Outputs3& outputs) {
+  const auto& [dst, mean_used, variance_used] = outputs;
+  return {dst, mean_used, variance_used, at::Tensor()};
+}
+
+Outputs3 without_bits(const Outputs4& outputs) {
+  const auto& [dst, mean_used, variance_used, unused] = outputs;
+  return {dst, mean_used, variance_used};
+}
+
 Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma,
                                          const OptionalTensor& beta, const OptionalTensor& mean,
                                          const OptionalTensor& variance, const OptionalTensor& residual,
                                          double epsilon, c10::string_view activation, double negative_slope,
                                          c10::string_view data_format, bool memory_saving) {
-  auto [dst, mean_used, variance_used, unused] =
-      act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
-                           data_format, memory_saving, SignBits::kWhereUseful);
-  return {dst, mean_used, variance_used};
+  return without_bits(act_forward_autograd(
+      src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, memory_saving,
+      SignBits::kWhereUseful, [&](bool sign_bits) {
+        if (sign_bits) {
+          return act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                                 negative_slope, data_format);
+        }
+        return with_undefined_bits(act_forward_op().call(src, gamma, beta, mean, variance, residual, epsilon,
+                                                         activation, negative_slope, data_format, memory_saving));
+      }));
 }
 
 Outputs4 batch_norm_act_forward_sign_bits_autograd(const at::Tensor& src, const OptionalTensor& gamma,
@@ -292,50 +281,50 @@ Outputs4 batch_norm_act_forward_sign_bits_autograd(const at::Tensor& src, const 
                                                    double epsilon, c10::string_view activation,
                                                    double negative_slope, c10::string_view data_format) {
   return act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
-                              data_format, false, SignBits::kAsked);
+                              data_format, false, SignBits::kAsked, [&](bool) {
+                                return act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual,
+                                                                       epsilon, activation, negative_slope,
+                                                                       data_format);
+                              });
 }
 
-// The backward operator is not differentiable itself: gradients flowing into
-// it raise instead of being dropped silently.
-struct ActBackwardRefusal : public torch::autograd::Node {
-  std::string name() const override { return "BatchNormActBackwardBackward"; }
-  variable_list apply(variable_list&&) override {
-    TORCH_CHECK_NOT_IMPLEMENTED(false,
-                                "batch_norm_act_backward is not differentiable itself; differentiate "
-                                "batch_norm_act_forward (or functional.batch_norm_act) instead, whose autograd "
-                                "formula supports double backward");
-  }
-};
+// The .update overloads: the training forward's autograd (the update's
+// operator with sign bits where the forward's would take them), then the
+// buffers' versions bumped (an empty batch's too: whether it is empty may be
+// symbolic here).
+Outputs3 batch_norm_act_forward_update_autograd(const at::Tensor& src, const OptionalTensor& gamma,
+                                                const OptionalTensor& beta, const OptionalTensor& running_mean,
+                                                const OptionalTensor& running_var, const OptionalTensor& residual,
+                                                double momentum, double epsilon, c10::string_view activation,
+                                                double negative_slope, c10::string_view data_format,
+                                                bool memory_saving) {
+  Outputs3 outputs = without_bits(act_forward_autograd(
+      src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon, activation, negative_slope, data_format,
+      memory_saving, SignBits::kWhereUseful, [&](bool sign_bits) {
+        if (sign_bits) {
+          return act_forward_sign_bits_update_op().call(src, gamma, beta, running_mean, running_var, residual,
+                                                        momentum, epsilon, activation, negative_slope, data_format);
+        }
+        return with_undefined_bits(act_forward_update_op().call(src, gamma, beta, running_mean, running_var,
+                                                                residual, momentum, epsilon, activation,
+                                                                negative_slope, data_format, memory_saving));
+      }));
+  bump_versions(running_mean, running_var);
+  return outputs;
+}
 
-Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const OptionalTensor& src,
-                                          const OptionalTensor& dst, const OptionalTensor& residual,
-                                          const at::Tensor& mean, const at::Tensor& variance,
-                                          const OptionalTensor& gamma, const OptionalTensor& beta, double epsilon,
-                                          c10::string_view activation, double negative_slope,
-                                          c10::string_view data_format, bool training, bool from_output,
-                                          std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(has_tangent(diff_dst) || has_tangent(src) || has_tangent(dst) || has_tangent(residual) ||
-        has_tangent(mean) || has_tangent(variance) || has_tangent(gamma) || has_tangent(beta)),
-      "batch_norm_act_backward has no forward-mode derivative; differentiate batch_norm_act_forward (or "
-      "functional.batch_norm_act) instead, whose derivatives (jvp, jacfwd, hessian) are implemented");
-  NodePtr<ActBackwardRefusal> node;
-  if (torch::autograd::compute_requires_grad(diff_dst, src, dst, residual, mean, variance, gamma, beta)) {
-    node = make_node<ActBackwardRefusal>();
-    node->set_next_edges(
-        torch::autograd::collect_next_edges(diff_dst, src, dst, residual, mean, variance, gamma, beta));
-  }
-  auto outputs = [&] {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return act_backward_op().call(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation,
-                                  negative_slope, data_format, training, from_output, output_mask, dst_positive);
-  }();
-  if (node) {
-    auto& [a, b, c, d] = outputs;
-    for (at::Tensor* out : {&a, &b, &c, &d}) {
-      if (out->defined()) torch::autograd::set_history(*out, node);
-    }
-  }
+Outputs4 batch_norm_act_forward_sign_bits_update_autograd(
+    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
+    const OptionalTensor& running_mean, const OptionalTensor& running_var, const OptionalTensor& residual,
+    double momentum, double epsilon, c10::string_view activation, double negative_slope,
+    c10::string_view data_format) {
+  Outputs4 outputs = act_forward_autograd(
+      src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon, activation, negative_slope, data_format,
+      false, SignBits::kAsked, [&](bool) {
+        return act_forward_sign_bits_update_op().call(src, gamma, beta, running_mean, running_var, residual,
+                                                      momentum, epsilon, activation, negative_slope, data_format);
+      });
+  bump_versions(running_mean, running_var);
   return outputs;
 }
 
@@ -344,7 +333,8 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_act_forward", &batch_norm_act_forward_autograd);
   m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_autograd);
-  m.impl("batch_norm_act_backward", &batch_norm_act_backward_autograd);
+  m.impl("batch_norm_act_forward.update", &batch_norm_act_forward_update_autograd);
+  m.impl("batch_norm_act_forward_sign_bits.update", &batch_norm_act_forward_sign_bits_update_autograd);
 }
 
 }  // namespace torch_bn_grad

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "autograd/autograd_node.h"
+#include "autograd/buffer_versions.h"
 #include "autograd/channel_algebra.h"
 #include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
@@ -200,14 +201,6 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
                                      c10::string_view data_format) {
   return forward_with_autograd(src, gamma, beta, mean, variance, epsilon, data_format,
                                [&] { return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format); });
-}
-
-// In-place ops bump their outputs' version counters (a graph that saved them
-// then refuses to run backward): the running statistics' buffers, after an
-// update below autograd.
-void bump_versions(const OptionalTensor& running_mean, const OptionalTensor& running_var) {
-  if (running_mean.has_value()) torch::autograd::impl::bump_version(*running_mean);
-  if (running_var.has_value()) torch::autograd::impl::bump_version(*running_var);
 }
 
 // The forward's autograd, then the buffers' versions bumped (an empty batch's
