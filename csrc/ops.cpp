@@ -219,6 +219,17 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "Tensor(b!)? running_var, float momentum, float epsilon, str data_format) "
       "-> (Tensor dst, Tensor mean, Tensor variance)",
       {at::Tag::flexible_layout});
+  // batch_norm_forward with frozen statistics, returning dst alone (no copies
+  // of the given statistics): an eager eval step's call (csrc/frozen_forward.cpp).
+  m.def(
+      "batch_norm_forward.frozen(Tensor src, Tensor? gamma, Tensor? beta, Tensor mean, Tensor variance, "
+      "float epsilon, str data_format) -> Tensor dst",
+      {at::Tag::flexible_layout});
+  m.def(
+      "batch_norm_act_forward.frozen(Tensor src, Tensor? gamma, Tensor? beta, Tensor mean, Tensor variance, "
+      "Tensor? residual, float epsilon, str activation, float negative_slope, str data_format, "
+      "bool memory_saving) -> Tensor dst",
+      {at::Tag::flexible_layout});
   // The same for the fused forward and its sign-bits form: batch_norm_act_forward
   // (or _sign_bits) with batch statistics, then that update.
   m.def(

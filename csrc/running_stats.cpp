@@ -18,7 +18,7 @@
 #include <optional>
 
 #include "args/batch_norm_args.h"
-#include "autograd/act_handles.h"
+#include "autograd/operator_handles.h"
 #include "autograd/dispatch_handles.h"
 #include "cpu/kernels/kernel_table.h"
 #ifdef TORCH_BN_GRAD_WITH_CUDA
@@ -161,11 +161,8 @@ Outputs3 forward_and_update(const at::Tensor& src, const std::optional<at::Tenso
                             const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& running_mean,
                             const std::optional<at::Tensor>& running_var, double momentum, double epsilon,
                             c10::string_view data_format) {
-  static const auto forward =
-      typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-                              const OptionalTensor&, double, c10::string_view)>("torch_bn_grad::batch_norm_forward");
   check_running_stats_device(src, running_mean, running_var);
-  return then_update(forward.call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format), src,
+  return then_update(forward_op().call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format), src,
                      running_mean, running_var, momentum);
 }
 

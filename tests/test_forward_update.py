@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_bn_grad
+from recorded_ops import RecordedOps
 from reference import normalization_inputs
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward.default
@@ -106,18 +106,6 @@ def test_opcheck(device):
     torch.library.opcheck(FORWARD_UPDATE, (x.to(device), gamma.to(device), beta.to(device), rm, rv, 0.1, EPS, "NCX"))
 
 
-class _Ops(TorchDispatchMode):
-    """The operators a call reaches below autograd, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 # (our module, the operator it calls, the torch module and activation it replaces)
 MODULES = [("BatchNorm", "batch_norm_forward", lambda t: t), ("BatchNormAct", "batch_norm_act_forward", torch.relu)]
 
@@ -127,13 +115,13 @@ def test_eager_training_steps_take_one_call(device, module):
     name, op, _ = module
     layer = getattr(torch_bn_grad.nn, f"{name}2d")(3).to(device)
     x = torch.randn(4, 3, 2, 2, device=device)
-    with _Ops() as ops:
+    with RecordedOps() as ops:
         layer(x)
     assert f"torch_bn_grad.{op}.update" in ops.names
     assert not any("update_running_stats" in name for name in ops.names)
     # The cumulative average's momentum is a tensor: the forward, then the tensor arithmetic.
     layer = getattr(torch_bn_grad.nn, f"{name}2d")(3, momentum=None).to(device)
-    with _Ops() as ops:
+    with RecordedOps() as ops:
         layer(x)
     assert f"torch_bn_grad.{op}.default" in ops.names
     assert not any(".update" in name for name in ops.names)

@@ -46,6 +46,11 @@ def _batch_norm_forward_update_fake(src, gamma, beta, running_mean, running_var,
                         lambda: _batch_norm_forward_fake(src, gamma, beta, None, None, epsilon, data_format))
 
 
+@torch.library.register_fake("torch_bn_grad::batch_norm_forward.frozen")
+def _batch_norm_forward_frozen_fake(src, gamma, beta, mean, variance, epsilon, data_format):
+    return _batch_norm_forward_fake(src, gamma, beta, mean, variance, epsilon, data_format)[0]
+
+
 @torch.library.register_fake("torch_bn_grad::batch_norm_stats_affine")
 def _batch_norm_stats_affine_fake(src, gamma, beta, epsilon, data_format):
     check_same_device("batch_norm_stats_affine", src, gamma=gamma, beta=beta)
@@ -152,6 +157,13 @@ def _batch_norm_act_forward_sign_bits_fake(src, gamma, beta, mean, variance, res
     # a size known only when the kernel runs.
     size = torch.library.get_ctx().new_dynamic_size()
     return dst, mean_out, variance_out, src.new_empty(size, dtype=torch.uint8)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_act_forward.frozen")
+def _batch_norm_act_forward_frozen_fake(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                        negative_slope, data_format, memory_saving):
+    return _batch_norm_act_forward_fake(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                        negative_slope, data_format, memory_saving)[0]
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_act_forward.update")

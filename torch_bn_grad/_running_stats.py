@@ -8,16 +8,11 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import _compat
+from torch_bn_grad._eager import is_eager
 
 
 _UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
 _COUNTED_UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.counted
-
-
-def _eager(mean: Tensor) -> bool:
-    """Not traced by torch.compile and not under a torch.func transform: such code
-    takes the tensor arithmetic below, which they see through."""
-    return not torch.compiler.is_compiling() and not _compat.is_functorch_wrapped_tensor(mean)
 
 
 def _scalar_count(count: Union[int, Tensor]) -> bool:
@@ -30,7 +25,7 @@ def forward_update_applies(input: Tensor, momentum: Union[float, Tensor]) -> boo
     """Whether a training forward takes ``batch_norm_forward.update`` (the forward and
     the update in one call): an eager step with a host-known momentum, where the
     update would take its one-call operator with the elements per channel as count."""
-    return type(momentum) is float and _eager(input)
+    return type(momentum) is float and is_eager(input)
 
 
 def _one_call_applies(count: Union[int, Tensor], momentum: Union[float, Tensor], mean: Tensor) -> bool:
@@ -43,14 +38,14 @@ def _device_count_applies(count: Union[int, Tensor], momentum: Union[float, Tens
     """A 0-dim count on the statistics' GPU (the masked operators' valid count) in an
     eager step: the operator reads it there, in the update's one kernel."""
     return (_scalar_count(count) and count.device == mean.device and count.device.type != "cpu"
-            and type(momentum) is float and _eager(mean))
+            and type(momentum) is float and is_eager(mean))
 
 
 def _host_count(count: Union[int, Tensor]) -> Union[int, Tensor]:
     """A 0-dim CPU count tensor (the masked operators') as an int in eager steps, so that
     the update takes the operator: reading it waits for no device, and the tensor
     arithmetic is a dozen small operators, 80 us of a small layer's step."""
-    if _scalar_count(count) and count.device.type == "cpu" and _eager(count):
+    if _scalar_count(count) and count.device.type == "cpu" and is_eager(count):
         return int(count)
     return count
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad._checks import check_activation
+from torch_bn_grad._eager import is_eager
 from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
 from torch_bn_grad._running_stats import forward_update_applies, update_running_stats
 
@@ -48,6 +49,9 @@ def batch_norm(
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
         _check_running_stats("batch_norm", running_mean, running_var)
+        if is_eager(input):  # dst alone: no copies of the statistics
+            return torch.ops.torch_bn_grad.batch_norm_forward.frozen(
+                input, weight, bias, running_mean, running_var, float(eps), "NCX")
         dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.default(
             input, weight, bias, running_mean, running_var, float(eps), "NCX"
         )
@@ -154,6 +158,10 @@ def batch_norm_act(
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
         _check_running_stats("batch_norm_act", running_mean, running_var)
+        if is_eager(input):  # as in batch_norm
+            return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen(
+                input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope, "NCX",
+                bool(memory_saving))
         dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
                        "NCX", bool(memory_saving))
         return dst

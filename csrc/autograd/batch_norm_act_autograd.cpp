@@ -26,7 +26,7 @@
 #include <optional>
 #include <string>
 
-#include "autograd/act_handles.h"
+#include "autograd/operator_handles.h"
 #include "autograd/autograd_node.h"
 #include "autograd/buffer_versions.h"
 #include "autograd/channel_algebra.h"
@@ -288,6 +288,23 @@ Outputs4 batch_norm_act_forward_sign_bits_autograd(const at::Tensor& src, const 
                               });
 }
 
+// The .frozen overload: below autograd where nothing records (an eval step),
+// else batch_norm_act_forward's formula, whose dst it returns.
+at::Tensor batch_norm_act_forward_frozen_autograd(const at::Tensor& src, const OptionalTensor& gamma,
+                                                  const OptionalTensor& beta, const at::Tensor& mean,
+                                                  const at::Tensor& variance, const OptionalTensor& residual,
+                                                  double epsilon, c10::string_view activation,
+                                                  double negative_slope, c10::string_view data_format,
+                                                  bool memory_saving) {
+  if (autograd_records(src, gamma, beta, mean, variance, residual)) {
+    return std::get<0>(batch_norm_act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon,
+                                                       activation, negative_slope, data_format, memory_saving));
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return act_forward_frozen_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                      negative_slope, data_format, memory_saving);
+}
+
 // The .update overloads: the training forward's autograd (the update's
 // operator with sign bits where the forward's would take them), then the
 // buffers' versions bumped (an empty batch's too: whether it is empty may be
@@ -334,6 +351,7 @@ TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_act_forward", &batch_norm_act_forward_autograd);
   m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_autograd);
   m.impl("batch_norm_act_forward.update", &batch_norm_act_forward_update_autograd);
+  m.impl("batch_norm_act_forward.frozen", &batch_norm_act_forward_frozen_autograd);
   m.impl("batch_norm_act_forward_sign_bits.update", &batch_norm_act_forward_sign_bits_update_autograd);
 }
 

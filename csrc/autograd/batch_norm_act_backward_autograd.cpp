@@ -8,7 +8,7 @@
 
 #include <array>
 
-#include "autograd/act_handles.h"
+#include "autograd/operator_handles.h"
 #include "autograd/autograd_node.h"
 #include "autograd/forward_ad.h"
 

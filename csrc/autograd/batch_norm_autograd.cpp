@@ -23,18 +23,12 @@
 #include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
 #include "autograd/forward_grad.h"
+#include "autograd/operator_handles.h"
 
 namespace torch_bn_grad {
 namespace {
 
 using torch::autograd::variable_list;
-const auto& forward_op() {
-  static const auto op = typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                                                 const OptionalTensor&, const OptionalTensor&, double,
-                                                 c10::string_view)>("torch_bn_grad::batch_norm_forward");
-  return op;
-}
-
 const auto& backward_op() {
   static const auto op = typed_operator<Outputs3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const OptionalTensor&, double, c10::string_view,
@@ -203,6 +197,22 @@ Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor
                                [&] { return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format); });
 }
 
+// The .frozen overload: below autograd where nothing records (an eval step),
+// else batch_norm_forward's formula, whose dst it returns.
+at::Tensor batch_norm_forward_frozen_autograd(const at::Tensor& src, const OptionalTensor& gamma,
+                                              const OptionalTensor& beta, const at::Tensor& mean,
+                                              const at::Tensor& variance, double epsilon,
+                                              c10::string_view data_format) {
+  static const auto op = typed_operator<at::Tensor(const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                                   const at::Tensor&, const at::Tensor&, double, c10::string_view)>(
+      "torch_bn_grad::batch_norm_forward", "frozen");
+  if (autograd_records(src, gamma, beta, mean, variance)) {
+    return std::get<0>(batch_norm_forward_autograd(src, gamma, beta, mean, variance, epsilon, data_format));
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(src, gamma, beta, mean, variance, epsilon, data_format);
+}
+
 // The forward's autograd, then the buffers' versions bumped (an empty batch's
 // too: whether it is empty may be symbolic here).
 Outputs3 batch_norm_forward_update_autograd(const at::Tensor& src, const OptionalTensor& gamma,
@@ -259,6 +269,7 @@ void update_running_stats_counted_autograd(const OptionalTensor& running_mean, c
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_forward", &batch_norm_forward_autograd);
   m.impl("batch_norm_forward.update", &batch_norm_forward_update_autograd);
+  m.impl("batch_norm_forward.frozen", &batch_norm_forward_frozen_autograd);
   m.impl("batch_norm_update_running_stats", &update_running_stats_autograd);
   m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted_autograd);
 }

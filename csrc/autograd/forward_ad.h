@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/string_view.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 #include <optional>
 #include <tuple>
@@ -38,5 +39,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
 
 // Sets `output`'s forward-mode gradient to `tangent` (nothing when undefined).
 void set_tangent(const at::Tensor& output, const at::Tensor& tangent);
+
+// Whether autograd records a call with these inputs (tensors or optional
+// ones): one requires grad, or carries a forward-mode tangent.
+template <class... Inputs>
+bool autograd_records(const Inputs&... inputs) {
+  return torch::autograd::compute_requires_grad(inputs...) || (has_tangent(inputs) || ...);
+}
 
 }  // namespace torch_bn_grad

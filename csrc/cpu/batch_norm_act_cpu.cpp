@@ -23,13 +23,14 @@ at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan)
 
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Both forward operators. With `sign_bits`, also the sign bits of dst
+// Every fused forward operator. With `sign_bits`, also the sign bits of dst
 // (cpu/kernels/sign_bits.h), empty where the kernels cannot write them for
-// this layout; without, an undefined tensor.
+// this layout; without, an undefined tensor. `copies`: frozen statistics are
+// returned as copies, else as undefined tensors (the .frozen overload).
 Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
                      const OptionalTensor& mean, const OptionalTensor& variance, const OptionalTensor& residual,
                      double epsilon, c10::string_view activation, double negative_slope,
-                     c10::string_view data_format, bool sign_bits) {
+                     c10::string_view data_format, bool sign_bits, bool copies = true) {
   const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
                                                  negative_slope, data_format);
   const ChannelPlan& plan = checked.plan;
@@ -67,6 +68,7 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
       act_kernel_table().forward(a);
       finish_kernel_output(out, plan);
     }
+    if (!copies) return {out.result, at::Tensor(), at::Tensor(), positive};
     return {out.result, mean->clone(at::MemoryFormat::Contiguous), variance->clone(at::MemoryFormat::Contiguous),
             positive};
   }
@@ -88,6 +90,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
   auto [dst, mean_used, variance_used, unused] =
       act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, false);
   return {dst, mean_used, variance_used};
+}
+
+at::Tensor batch_norm_act_forward_frozen_cpu(const at::Tensor& src, const OptionalTensor& gamma,
+                                             const OptionalTensor& beta, const at::Tensor& mean,
+                                             const at::Tensor& variance, const OptionalTensor& residual,
+                                             double epsilon, c10::string_view activation, double negative_slope,
+                                             c10::string_view data_format, bool /*memory_saving*/) {
+  return std::get<0>(act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
+                                 data_format, false, false));
 }
 
 Outputs4 batch_norm_act_forward_sign_bits_cpu(const at::Tensor& src, const OptionalTensor& gamma,
@@ -159,6 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
   m.impl("batch_norm_act_forward", &batch_norm_act_forward_cpu);
+  m.impl("batch_norm_act_forward.frozen", &batch_norm_act_forward_frozen_cpu);
   m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_cpu);
   m.impl("batch_norm_act_backward", &batch_norm_act_backward_cpu);
 }

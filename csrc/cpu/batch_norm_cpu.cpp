@@ -26,10 +26,12 @@ at::Tensor contiguous_copy(const at::Tensor& t) {
   return copy;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
+// Both forward operators; `copies`: frozen statistics are returned as copies
+// (batch_norm_forward), else as undefined tensors (its .frozen overload).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& src, const std::optional<at::Tensor>& gamma,
     const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
-    const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format) {
+    const std::optional<at::Tensor>& variance, double epsilon, c10::string_view data_format, bool copies) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
   const Extent e = plan.extent();
   const int64_t C = plan.channels;
@@ -50,6 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
                                     epsilon);
       finish_kernel_output(out, plan);
     }
+    if (!copies) return {out.result, at::Tensor(), at::Tensor()};
     return {out.result, contiguous_copy(*mean), contiguous_copy(*variance)};
   }
 
@@ -62,6 +65,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
   const auto stats_dtype = accumulate_type(src.scalar_type());
   return {out.result, kernel_channels_result(mean_d, plan, stats_dtype, src),
           kernel_channels_result(var_d, plan, stats_dtype, src)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
+    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& variance, double epsilon,
+    c10::string_view data_format) {
+  return forward(src, gamma, beta, mean, variance, epsilon, data_format, true);
+}
+
+at::Tensor batch_norm_forward_frozen_cpu(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
+                                         const std::optional<at::Tensor>& beta, const at::Tensor& mean,
+                                         const at::Tensor& variance, double epsilon, c10::string_view data_format) {
+  return std::get<0>(forward(src, gamma, beta, mean, variance, epsilon, data_format, false));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
@@ -102,6 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
   m.impl("batch_norm_forward", &batch_norm_forward_cpu);
+  m.impl("batch_norm_forward.frozen", &batch_norm_forward_frozen_cpu);
   m.impl("batch_norm_backward", &batch_norm_backward_cpu);
 }
 
