@@ -22,8 +22,8 @@ def _scalar_count(count: Union[int, Tensor]) -> bool:
 
 
 def forward_update_applies(input: Tensor, momentum: Union[float, Tensor]) -> bool:
-    """Whether a training forward takes ``batch_norm_forward.update`` (the forward and
-    the update in one call): an eager step with a host-known momentum, where the
+    """Whether a training forward takes its operator's ``.update`` overload (the forward
+    and the update in one call): an eager step with a host-known momentum, where the
     update would take its one-call operator with the elements per channel as count."""
     return type(momentum) is float and is_eager(input)
 
