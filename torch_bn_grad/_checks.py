@@ -25,12 +25,12 @@ def epsilon_value(op: str, epsilon: object) -> float:
 def output_mask_value(
     op: str, output_mask: Sequence[bool], names: Sequence[str] = ("diff_src", "diff_gamma", "diff_beta")
 ) -> list[bool]:
-    mask = list(output_mask)
+    mask = list(map(bool, output_mask))
     if len(mask) != len(names):
         raise ValueError(
             f"{op}: output_mask must have {len(names)} entries ({', '.join(names)}), got {len(mask)}"
         )
-    return [bool(m) for m in mask]
+    return mask
 
 
 ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")

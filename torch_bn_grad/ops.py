@@ -71,7 +71,7 @@ def batch_norm_backward(
     outputs = torch.ops.torch_bn_grad.batch_norm_backward.default(
         src, diff_dst, mean, variance, gamma, epsilon_value(op, epsilon), data_format, bool(training), mask
     )
-    return tuple(out if wanted else None for out, wanted in zip(outputs, mask))  # type: ignore[return-value]
+    return _wanted(outputs, mask)
 
 
 def batch_norm_act_forward(
@@ -152,4 +152,13 @@ def batch_norm_act_backward(
         diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon_value(op, epsilon), activation, slope,
         data_format, bool(training), bool(from_output), mask, dst_positive,
     )
-    return tuple(out if wanted else None for out, wanted in zip(outputs, mask))  # type: ignore[return-value]
+    return _wanted(outputs, mask)
+
+
+def _wanted(outputs: tuple, mask: list[bool]) -> tuple:
+    """The backward operators' outputs with ``None`` where ``mask`` is false (the
+    operators return empty tensors there); the all-true mask, the usual call,
+    returns the operator's tuple as it is (a per-call cost on the GPU's host path)."""
+    if all(mask):
+        return outputs
+    return tuple([out if wanted else None for out, wanted in zip(outputs, mask)])
