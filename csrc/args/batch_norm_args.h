@@ -104,6 +104,8 @@ ChannelPlan check_grad_input_args(const at::Tensor& src, const at::Tensor& diff_
 // inner] array: `t` itself when its strides already lay it out so (no view
 // is made: kernels use the data pointer only), else a permuted contiguous copy.
 at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan);
+// The same for an optional operand (residual, dst); absent: an undefined tensor.
+at::Tensor to_kernel_layout(const std::optional<at::Tensor>& t, const ChannelPlan& plan);
 
 // An output tensor laid out like `src` (its memory format), plus the
 // contiguous [outer, channels, inner] buffer the kernel writes (its data

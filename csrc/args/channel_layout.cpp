@@ -34,6 +34,10 @@ at::Tensor to_kernel_layout(const at::Tensor& t, const ChannelPlan& plan) {
   return t.permute(plan.permutation).contiguous();
 }
 
+at::Tensor to_kernel_layout(const std::optional<at::Tensor>& t, const ChannelPlan& plan) {
+  return t.has_value() ? to_kernel_layout(*t, plan) : at::Tensor();
+}
+
 at::Tensor empty_output(c10::IntArrayRef sizes, c10::IntArrayRef strides, const at::Tensor& like,
                         c10::Allocator* allocator) {
   if (allocator == nullptr) return at::empty_strided(sizes, strides, like.options());

@@ -17,10 +17,6 @@ namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
 
-at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan) {
-  return t.has_value() ? to_kernel_layout(*t, plan) : at::Tensor();
-}
-
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Every fused forward operator. With `sign_bits`, also the sign bits of dst
@@ -37,7 +33,7 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
   KernelOutput out = make_kernel_output(src, plan, output_allocator());
   ActForwardArgs a;
   a.src = to_kernel_layout(src, plan);
-  a.residual = layout_or_undefined(residual, plan);
+  a.residual = to_kernel_layout(residual, plan);
   a.dst = out.buffer;
   a.extent = plan.extent();
   // Empty where the layout or dtype does not fit the bits: the backward reads dst there.
@@ -122,8 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   ActBackwardArgs a;
   a.data = to_kernel_layout(data, plan);
   if (checked.reads_sign_bits) a.dst_positive = *dst_positive;
-  else if (!from_output) a.output = layout_or_undefined(dst, plan);
-  a.residual = layout_or_undefined(residual, plan);
+  else if (!from_output) a.output = to_kernel_layout(dst, plan);
+  a.residual = to_kernel_layout(residual, plan);
   a.diff_dst = to_kernel_layout(diff_dst, plan);
   a.extent = plan.extent();
   // Per-channel float64 vectors: mean, variance, gamma, beta, diff_gamma, diff_beta.

@@ -30,10 +30,6 @@ namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
 
-at::Tensor layout_or_undefined(const OptionalTensor& t, const ChannelPlan& plan) {
-  return t.has_value() ? to_kernel_layout(*t, plan) : at::Tensor();
-}
-
 template <typename T>
 const T* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<T>() : nullptr;
@@ -60,7 +56,7 @@ ForwardResult batch_norm_act_forward_cuda(
     double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
   const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
                                                  negative_slope, data_format);
-  const at::Tensor r = layout_or_undefined(residual, checked.plan);
+  const at::Tensor r = to_kernel_layout(residual, checked.plan);
   return forward_cuda(checked.plan, src, gamma, beta, mean, variance, epsilon, [&](auto type, const auto& run) {
     using scalar_t = typename decltype(type)::type;
     act::dispatch_activation(checked.kind, [&](auto activation_type) {
@@ -101,8 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
 
   if (e.channels > 0 && (need_pass || output_mask[1] || output_mask[2])) {
     const at::Tensor x = to_kernel_layout(data, plan);
-    const at::Tensor y = from_output ? at::Tensor() : layout_or_undefined(dst, plan);
-    const at::Tensor r = layout_or_undefined(residual, plan);
+    const at::Tensor y = from_output ? at::Tensor() : to_kernel_layout(dst, plan);
+    const at::Tensor r = to_kernel_layout(residual, plan);
     const at::Tensor dy = to_kernel_layout(diff_dst, plan);
     const ChannelValues var_v = channel_values(variance, plan, data);
     const ChannelValues gamma_v = channel_values(gamma, plan, data);
