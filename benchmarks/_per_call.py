@@ -12,10 +12,13 @@ from typing import Callable
 
 
 def parse_args(doc: str) -> argparse.Namespace:
-    """``--rounds`` (printed rounds) and ``--iters`` (calls per variant and round)."""
+    """``--rounds`` (printed rounds), ``--iters`` (calls per variant and round) and
+    ``--device``. On CUDA a call is timed without synchronizing: its host time, what
+    bounds a small layer's call there (the queue of so few launches never fills)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--device", default="cpu")
     return parser.parse_args()
 
 

@@ -2,7 +2,7 @@
 backward) and eval forward, contiguous and channels_last, torch's module
 against ours, calls alternating in one process; medians in microseconds.
 
-    python benchmarks/call_overhead.py [--rounds 3] [--iters 300]
+    python benchmarks/call_overhead.py [--rounds 3] [--iters 300] [--device cuda]
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from benchmarks._per_call import alternating_medians_us, parse_args
 def main() -> None:
     args = parse_args(__doc__)
     torch.manual_seed(0)
-    modules = {"native": torch.nn.BatchNorm2d(16), "ours": torch_bn_grad.nn.BatchNorm2d(16)}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, input (8, 16, 8, 8)")
+    modules = {"native": torch.nn.BatchNorm2d(16).to(args.device),
+               "ours": torch_bn_grad.nn.BatchNorm2d(16).to(args.device)}
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, input (8, 16, 8, 8)")
     for layout, memory_format in (("contiguous", torch.contiguous_format), ("channels_last", torch.channels_last)):
-        x = torch.randn(8, 16, 8, 8).contiguous(memory_format=memory_format)
+        x = torch.randn(8, 16, 8, 8, device=args.device).contiguous(memory_format=memory_format)
         x.requires_grad_()
         for mode in ("train", "eval"):
             for m in modules.values():

@@ -4,7 +4,7 @@ BatchNorm2d + add + ReLU, on a small (8x64x8x8) and a larger (32x64x28x28)
 input. Calls alternate between the two in one process, so that a noisy
 machine slows both alike; medians in microseconds.
 
-    python benchmarks/fused_overhead.py [--rounds 3] [--iters 300]
+    python benchmarks/fused_overhead.py [--rounds 3] [--iters 300] [--device cuda]
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ class _Native(torch.nn.Module):
 def main() -> None:
     args = parse_args(__doc__)
     torch.manual_seed(0)
-    modules = {"native": _Native(64), "ours": torch_bn_grad.nn.BatchNormAct2d(64)}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    modules = {"native": _Native(64).to(args.device), "ours": torch_bn_grad.nn.BatchNormAct2d(64).to(args.device)}
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     for shape in ((8, 64, 8, 8), (32, 64, 28, 28)):
-        x = torch.randn(shape, requires_grad=True)
+        x = torch.randn(shape, device=args.device, requires_grad=True)
         iters = args.iters if shape[0] == 8 else max(args.iters // 10, 20)
-        for residual in (None, torch.randn(shape, requires_grad=True)):
+        for residual in (None, torch.randn(shape, device=args.device, requires_grad=True)):
             def step(m):
                 m(x, residual).sum().backward()
 

@@ -5,7 +5,7 @@ statistics included; a dense upstream gradient, as in a network) and eval
 forward, torch's module against ours, calls alternating in one process;
 medians in microseconds.
 
-    python benchmarks/small_layers.py [--rounds 3] [--iters 300]
+    python benchmarks/small_layers.py [--rounds 3] [--iters 300] [--device cuda]
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from benchmarks._per_call import alternating_medians_us, parse_args
 SHAPES = [(2, 4096), (16, 4096), (64, 1024), (256, 512), (4, 512, 4, 4)]
 
 
-def _modules(shape: tuple) -> dict[str, torch.nn.Module]:
+def _modules(shape: tuple, device: str) -> dict[str, torch.nn.Module]:
     cls = torch.nn.BatchNorm1d if len(shape) == 2 else torch.nn.BatchNorm2d
     ours = torch_bn_grad.nn.BatchNorm1d if len(shape) == 2 else torch_bn_grad.nn.BatchNorm2d
-    return {"native": cls(shape[1]), "ours": ours(shape[1])}
+    return {"native": cls(shape[1]).to(device), "ours": ours(shape[1]).to(device)}
 
 
 def main() -> None:
     args = parse_args(__doc__)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, float32")
     for shape in SHAPES:
-        modules = _modules(shape)
-        x = torch.randn(shape)
+        modules = _modules(shape, args.device)
+        x = torch.randn(shape, device=args.device)
         if x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         x.requires_grad_()
