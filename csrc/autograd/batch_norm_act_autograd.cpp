@@ -27,6 +27,7 @@
 #include <string>
 
 #include "autograd/operator_handles.h"
+#include "autograd/act_grad.h"
 #include "autograd/autograd_node.h"
 #include "autograd/buffer_versions.h"
 #include "autograd/channel_algebra.h"
@@ -46,35 +47,6 @@ at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Te
 OptionalTensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
   if (!t.defined()) return std::nullopt;
   return to_dtype(t, dtype);
-}
-
-// What act'(z) depends on besides the tensors.
-struct ActArgs {
-  c10::string_view activation;
-  double slope;
-  double epsilon;
-  c10::string_view data_format;
-};
-
-// dy * act'(z) in differentiable ops, z = batch_norm(x; m, v, g, b) + r
-// (relu, leaky_relu: act' from the detached output y, whose derivative is 0,
-// torch's convention; silu from z, recomputed). The double backward's and the
-// jvp's gate. Mirrors csrc/math/activation_math.h: a new activation adds its case here.
-at::Tensor times_act_grad(const at::Tensor& dy, const ActArgs& a, const at::Tensor& x, const at::Tensor& y,
-                          const at::Tensor& r, const at::Tensor& m, const at::Tensor& v, const at::Tensor& g,
-                          const at::Tensor& b) {
-  if (a.activation == "identity") return dy;
-  if (a.activation == "relu") return dy * y.detach().gt(0);
-  if (a.activation == "leaky_relu") return at::where(y.detach().gt(0), dy, dy * a.slope);
-  TORCH_CHECK(a.activation == "silu", "batch_norm_act: no derivative formula for activation ", a.activation);
-  const auto acc = accumulation_dtype(x);
-  at::Tensor scale = (v.to(acc) + a.epsilon).rsqrt();
-  if (g.defined()) scale = scale * g.to(acc);
-  at::Tensor z = (x.to(acc) - broadcastable(m.to(acc), x, a.data_format)) * broadcastable(scale, x, a.data_format);
-  if (b.defined()) z = z + broadcastable(b.to(acc), x, a.data_format);
-  if (r.defined()) z = z + r.to(acc);
-  const at::Tensor s = z.sigmoid();
-  return (dy.to(acc) * (s * (1 + z * (1 - s)))).to(dy.scalar_type());
 }
 
 // Whether the forward may return dst's sign bits: plain CPU tensors in eager

@@ -10,24 +10,13 @@
 
 #include "autograd/operator_handles.h"
 #include "autograd/autograd_node.h"
+#include "autograd/backward_refusal.h"
 #include "autograd/forward_ad.h"
 
 namespace torch_bn_grad {
 namespace {
 
 using torch::autograd::variable_list;
-
-// The backward operator is not differentiable itself: gradients flowing into
-// it raise instead of being dropped silently.
-struct ActBackwardRefusal : public torch::autograd::Node {
-  std::string name() const override { return "BatchNormActBackwardBackward"; }
-  variable_list apply(variable_list&&) override {
-    TORCH_CHECK_NOT_IMPLEMENTED(false,
-                                "batch_norm_act_backward is not differentiable itself; differentiate "
-                                "batch_norm_act_forward (or functional.batch_norm_act) instead, whose autograd "
-                                "formula supports double backward");
-  }
-};
 
 Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const OptionalTensor& src,
                                           const OptionalTensor& dst, const OptionalTensor& residual,
@@ -41,9 +30,11 @@ Outputs4 batch_norm_act_backward_autograd(const at::Tensor& diff_dst, const Opti
         has_tangent(mean) || has_tangent(variance) || has_tangent(gamma) || has_tangent(beta)),
       "batch_norm_act_backward has no forward-mode derivative; differentiate batch_norm_act_forward (or "
       "functional.batch_norm_act) instead, whose derivatives (jvp, jacfwd, hessian) are implemented");
-  NodePtr<ActBackwardRefusal> node;
+  NodePtr<BackwardRefusal> node;
   if (torch::autograd::compute_requires_grad(diff_dst, src, dst, residual, mean, variance, gamma, beta)) {
-    node = make_node<ActBackwardRefusal>();
+    node = make_node<BackwardRefusal>();
+    node->op = "batch_norm_act_backward";
+    node->forward = "batch_norm_act_forward (or functional.batch_norm_act)";
     node->set_next_edges(
         torch::autograd::collect_next_edges(diff_dst, src, dst, residual, mean, variance, gamma, beta));
   }

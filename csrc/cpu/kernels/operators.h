@@ -20,6 +20,7 @@
 #include "cpu/kernels/row_affine.h"
 #include "cpu/kernels/row_grad_sums.h"
 #include "cpu/kernels/row_statistics.h"
+#include "cpu/kernels/tensor_data.h"
 
 namespace torch_bn_grad::cpu {
 namespace CPU_CAPABILITY {
@@ -27,17 +28,6 @@ namespace {  // internal linkage: see vec_io.h
 
 using Moments = math::Moments<double>;
 using GradSums = math::GradSums<double>;
-
-// An operand's data, or null where the tensor is undefined (absent, or an
-// output not asked for).
-template <typename T>
-const T* data_or_null(const at::Tensor& t) {
-  return t.defined() ? t.const_data_ptr<T>() : nullptr;
-}
-template <typename T>
-T* out_or_null(at::Tensor& t) {
-  return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
-}
 
 // ---------------------------------------------------------------- one block
 // The partition a reduction runs over: `blocks` of `extent`, the operator's
