@@ -257,6 +257,21 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "batch_norm_masked_backward(Tensor src, Tensor mask, Tensor diff_dst, Tensor mean, Tensor variance, "
       "Tensor? gamma, float epsilon, bool training, bool[3] output_mask) "
       "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta)");
+  // The fused masked operators (CPU): dst = act(batch norm + residual) at
+  // valid positions, 0 at padded ones (residual's padding is never read);
+  // activation and negative_slope as batch_norm_act_forward's. The backward
+  // reads dst for act' of relu and leaky_relu, recomputes z (from src,
+  // residual and the statistics) for silu; diff_residual is dz, 0 at padded
+  // positions.
+  m.def(
+      "batch_norm_masked_act_forward(Tensor src, Tensor mask, Tensor? gamma, Tensor? beta, Tensor? mean, "
+      "Tensor? variance, Tensor? residual, float epsilon, str activation, float negative_slope) "
+      "-> (Tensor dst, Tensor mean, Tensor variance, Tensor count)");
+  m.def(
+      "batch_norm_masked_act_backward(Tensor src, Tensor mask, Tensor? dst, Tensor? residual, Tensor diff_dst, "
+      "Tensor mean, Tensor variance, Tensor? gamma, Tensor? beta, float epsilon, str activation, "
+      "float negative_slope, bool training, bool[4] output_mask) "
+      "-> (Tensor diff_src, Tensor diff_gamma, Tensor diff_beta, Tensor diff_residual)");
 
   // Split stages, for batch statistics over several processes (SyncBatchNorm).
   // They take the 1-D channel form (src of rank 2 to 8, channel axis chosen by

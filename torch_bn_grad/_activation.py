@@ -6,6 +6,7 @@ not of the input's shape and dtype, and by ``convert_batchnorm(fuse=True)``."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -26,6 +27,14 @@ def check(activation: str, negative_slope: float, memory_saving: bool, where: st
         raise ValueError(
             f"{where}: memory_saving=True needs an invertible activation (identity, or leaky_relu with "
             f"negative_slope > 0), got activation={activation!r}, negative_slope={negative_slope}")
+
+
+def fuses_residual(input: Tensor, residual: Optional[Tensor]) -> bool:
+    """Whether the fused operators take ``residual`` as it is: none, or one of
+    ``input``'s shape, dtype and device (else the add is composed, as torch
+    would broadcast and promote it)."""
+    return residual is None or (
+        residual.shape == input.shape and residual.dtype == input.dtype and residual.device == input.device)
 
 
 def activate(y: Tensor, activation: str, negative_slope: float) -> Tensor:

@@ -214,9 +214,26 @@ def _masked_forward_fake(src, mask, gamma, beta, mean, variance, epsilon):
     )
 
 
+@torch.library.register_fake("torch_bn_grad::batch_norm_masked_act_forward")
+def _masked_act_forward_fake(src, mask, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope):
+    check_same_device("batch_norm_masked_act_forward", src, residual=residual)
+    return _masked_forward_fake(src, mask, gamma, beta, mean, variance, epsilon)
+
+
 @torch.library.register_fake("torch_bn_grad::batch_norm_masked_backward")
 def _masked_backward_fake(src, mask, diff_dst, mean, variance, gamma, epsilon, training, output_mask):
     op = "batch_norm_masked_backward"
     check_mask(op, src, mask)
     check_same_device(op, src, mask=mask, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
     return _backward_outputs(op, src, diff_dst, mean, output_mask)
+
+
+@torch.library.register_fake("torch_bn_grad::batch_norm_masked_act_backward")
+def _masked_act_backward_fake(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta, epsilon, activation,
+                              negative_slope, training, output_mask):
+    op = "batch_norm_masked_act_backward"
+    check_mask(op, src, mask)
+    check_same_device(op, src, mask=mask, dst=dst, residual=residual, diff_dst=diff_dst, mean=mean,
+                      variance=variance, gamma=gamma, beta=beta)
+    diff_residual = torch.empty_like(src) if output_mask[3] else src.new_empty(0)
+    return (*_backward_outputs(op, src, diff_dst, mean, output_mask), diff_residual)

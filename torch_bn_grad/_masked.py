@@ -1,5 +1,5 @@
-"""Masked batch norm for padded batches: what ``functional.batch_norm(..., mask=)``
-and the modules' ``forward(input, mask)`` run.
+"""Masked batch norm for padded batches: what ``functional.batch_norm(..., mask=)``,
+``functional.batch_norm_act(..., mask=)`` and the modules' ``forward(input, mask)`` run.
 
 The result equals gathering each channel's valid positions, batch-normalizing
 them and scattering them back into zeros: statistics over valid positions
@@ -10,14 +10,14 @@ The valid count stays a tensor: nothing waits on the mask's contents.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
 from torch_bn_grad import _activation
 from torch_bn_grad._checks import check_mask
-from torch_bn_grad._masked_autograd import FORWARD, valid_positions
+from torch_bn_grad._masked_autograd import FORWARD, FORWARD_ACT, valid_positions
 from torch_bn_grad._running_stats import update_running_stats
 
 
@@ -35,14 +35,57 @@ def masked_batch_norm(
 ) -> Tensor:
     """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True."""
     check_mask(op, input, mask)
+    return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
+                      running_mean, running_var, training, momentum, eps, op)
+
+
+def masked_batch_norm_act(
+    input: Tensor,
+    mask: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+    residual: Optional[Tensor],
+    activation: str,
+    negative_slope: float,
+    op: str = "batch_norm_act",
+) -> Tensor:
+    """``activation(masked_batch_norm(...) + residual)``, padded outputs 0 whatever
+    ``residual`` holds there: one fused operator on the CPU (a residual of
+    ``input``'s shape, dtype and device, or none), else composed
+    (:func:`masked_add_activate`)."""
+    if input.device.type != "cpu" or not _activation.fuses_residual(input, residual):
+        y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op)
+        return masked_add_activate(y, mask, residual, activation, negative_slope)
+    check_mask(op, input, mask)
+    return _normalize(
+        lambda mean, var: FORWARD_ACT(input, mask, weight, bias, mean, var, residual, float(eps), activation,
+                                      float(negative_slope)),
+        running_mean, running_var, training, momentum, eps, op)
+
+
+def _normalize(
+    forward: Callable[[Optional[Tensor], Optional[Tensor]], tuple[Tensor, Tensor, Tensor, Tensor]],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    training: bool,
+    momentum: Union[float, Tensor],
+    eps: float,
+    op: str,
+) -> Tensor:
+    """Either masked operator, ``forward(mean, variance)``, with frozen statistics
+    (eval) or batch statistics and the running-statistics update (training)."""
     if not training:
         if running_mean is None or running_var is None:
             raise ValueError(f"{op}: running_mean and running_var must be given when training=False")
-        dst, _, _, _ = FORWARD(input, mask, weight, bias, running_mean, running_var, float(eps))
-        return dst
+        return forward(running_mean, running_var)[0]
     if not eps > 0:
         raise ValueError(f"{op}: eps must be positive in training, got {eps}")
-    dst, mean, var, count = FORWARD(input, mask, weight, bias, None, None, float(eps))
+    dst, mean, var, count = forward(None, None)
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
     return dst

@@ -4,7 +4,9 @@ backward's autograd formula.
 
 The forward's gradient is the backward operator, recorded by a C++ Autograd
 kernel (``csrc/autograd/masked_autograd.cpp``; padded positions get 0 and are
-never read). The backward's own gradient is ``_autograd.backward_backward``
+never read), and so is the fused forward's (``batch_norm_masked_act_forward``,
+through ``batch_norm_masked_act_backward``; under double backward its gate in
+differentiable ops, then the backward operator). The backward's own gradient is ``_autograd.backward_backward``
 over the valid positions, made of differentiable torch operators, so that
 gradients of any order flow. Forward-mode AD is not provided (it raises).
 """
@@ -20,6 +22,7 @@ from torch_bn_grad._autograd_kernel import register_autograd
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
 BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default
+FORWARD_ACT = torch.ops.torch_bn_grad.batch_norm_masked_act_forward.default
 
 
 def valid_positions(mask: Tensor) -> Tensor:

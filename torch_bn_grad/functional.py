@@ -9,7 +9,7 @@ from torch import Tensor
 
 from torch_bn_grad._checks import check_activation
 from torch_bn_grad._eager import is_eager
-from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
+from torch_bn_grad._masked import masked_batch_norm, masked_batch_norm_act
 from torch_bn_grad._running_stats import forward_update_applies, update_running_stats
 
 __all__ = ["batch_norm", "batch_norm_act"]
@@ -135,8 +135,9 @@ def batch_norm_act(
     """Fused ``act(batch_norm(input, ...) + residual)``, one pass over the data each way.
 
     ``mask`` as in :func:`batch_norm`: padded positions output 0 whatever
-    ``residual`` holds there (the masked form is composed, not fused, and
-    ignores ``memory_saving``).
+    ``residual`` holds there. The masked form is one fused operator on the CPU
+    (on CUDA, and for a broadcast residual, masked batch norm then torch
+    operations) and ignores ``memory_saving``.
 
     The batch-norm arguments and the running-statistics update are exactly
     :func:`batch_norm`'s. ``activation``: ``"identity"``, ``"relu"``,
@@ -150,9 +151,8 @@ def batch_norm_act(
     """
     slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
     if mask is not None:
-        y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
-                              op="batch_norm_act")
-        return masked_add_activate(y, mask, residual, activation, slope)
+        return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
+                                     residual, activation, slope)
     op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
     if input.dim() == 1:  # only an empty input is valid: an empty output
         return _rank1(input, running_mean, running_var, weight, bias, training)

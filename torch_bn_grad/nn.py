@@ -12,7 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, functional
 from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad._checks import check_mask
-from torch_bn_grad._masked import masked_add_activate, masked_batch_norm
+from torch_bn_grad._masked import masked_add_activate, masked_batch_norm, masked_batch_norm_act
 
 __all__ = [
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
@@ -211,7 +211,8 @@ class ActForward(FusedForward):
         self, input: Tensor, residual: Optional[Tensor] = None, mask: Optional[Tensor] = None
     ) -> Tensor:
         """``mask`` as in :meth:`BatchNorm1d.forward`: padded positions output 0, whatever
-        ``residual`` holds there (the masked form is composed, not fused)."""
+        ``residual`` holds there (one fused operator on the CPU, see
+        :func:`torch_bn_grad.functional.batch_norm_act`)."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant, as in FusedForward.forward
             if mask is not None:
@@ -223,8 +224,7 @@ class ActForward(FusedForward):
             return self._add_activate(y, residual)
         if mask is not None:
             check_mask(type(self).__name__, input, mask)
-            y = self._normalize_masked(input, mask, self._statistics())
-            return masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
+            return self._normalize_masked_act(input, residual, mask, self._statistics())
         if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
             return self._add_activate(_BatchNorm.forward(self, input), residual)
         return self._normalize_act(input, residual, self._statistics())
@@ -239,8 +239,7 @@ class ActForward(FusedForward):
         """Whether the add and activation run after the normalization (``_add_activate``)
         rather than in the fused operator: for a broadcast or type-promoting residual,
         computed as torch would, unfused."""
-        return residual is not None and not (
-            residual.shape == input.shape and residual.dtype == input.dtype and residual.device == input.device)
+        return not _activation.fuses_residual(input, residual)
 
     def _normalize_act(self, input: Tensor, residual: Optional[Tensor], stats: Statistics) -> Tensor:
         if self._composes(input, residual):
@@ -252,6 +251,16 @@ class ActForward(FusedForward):
             residual=residual, activation=self.activation, negative_slope=self.negative_slope,
             memory_saving=self.memory_saving,
         )
+
+    def _normalize_masked_act(self, input: Tensor, residual: Optional[Tensor], mask: Tensor,
+                              stats: Statistics) -> Tensor:
+        if self._composes(input, residual):
+            y = self._normalize_masked(input, mask, stats)
+            return masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
+        running_mean, running_var, use_batch_stats, momentum = stats
+        return masked_batch_norm_act(input, mask, running_mean, running_var, *self._affine(), use_batch_stats,
+                                     momentum, self.eps, residual, self.activation, self.negative_slope,
+                                     op=type(self).__name__)
 
     def extra_repr(self) -> str:
         text = f"{super().extra_repr()}, activation={self.activation!r}"

@@ -235,11 +235,11 @@ void check_masked_args(const char* op, const at::Tensor& src, const at::Tensor& 
 }
 }  // namespace
 
-ChannelPlan check_masked_forward_args(const at::Tensor& src, const at::Tensor& mask,
-                                      const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-                                      const std::optional<at::Tensor>& mean,
-                                      const std::optional<at::Tensor>& variance, double epsilon) {
-  const char* op = "batch_norm_masked_forward";
+namespace {
+ChannelPlan masked_forward_plan(const char* op, const at::Tensor& src, const at::Tensor& mask,
+                                const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& variance,
+                                double epsilon) {
   TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank, " (N, C, *), got shape ",
                     src.sizes());
   ChannelPlan plan = forward_plan(op, src, gamma, beta, mean, variance, epsilon, "NCX");
@@ -247,17 +247,62 @@ ChannelPlan check_masked_forward_args(const at::Tensor& src, const at::Tensor& m
   return plan;
 }
 
-ChannelPlan check_masked_backward_args(const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst,
-                                       const at::Tensor& mean, const at::Tensor& variance,
-                                       const std::optional<at::Tensor>& gamma, double epsilon) {
-  const char* op = "batch_norm_masked_backward";
+ChannelPlan masked_backward_plan(const char* op, const at::Tensor& src, const at::Tensor& mask,
+                                 const at::Tensor& diff_dst, const at::Tensor& mean, const at::Tensor& variance,
+                                 const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                 double epsilon) {
   check_src(op, src, epsilon, "NCX");
   TORCH_CHECK_VALUE(src.dim() >= 2, op, ": src must have rank 2 to ", kMaxRank, " (N, C, *), got shape ",
                     src.sizes());
   check_same_like_src(op, "diff_dst", diff_dst, src);
-  ChannelPlan plan = check_backward_statistics(op, src, mean, variance, gamma, std::nullopt, "NCX");
+  ChannelPlan plan = check_backward_statistics(op, src, mean, variance, gamma, beta, "NCX");
   check_masked_args(op, src, mask, plan);
   return plan;
+}
+}  // namespace
+
+ChannelPlan check_masked_forward_args(const at::Tensor& src, const at::Tensor& mask,
+                                      const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                      const std::optional<at::Tensor>& mean,
+                                      const std::optional<at::Tensor>& variance, double epsilon) {
+  return masked_forward_plan("batch_norm_masked_forward", src, mask, gamma, beta, mean, variance, epsilon);
+}
+
+ChannelPlan check_masked_backward_args(const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst,
+                                       const at::Tensor& mean, const at::Tensor& variance,
+                                       const std::optional<at::Tensor>& gamma, double epsilon) {
+  return masked_backward_plan("batch_norm_masked_backward", src, mask, diff_dst, mean, variance, gamma, std::nullopt,
+                              epsilon);
+}
+
+ActPlan check_masked_act_forward_args(const at::Tensor& src, const at::Tensor& mask,
+                                      const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                      const std::optional<at::Tensor>& mean,
+                                      const std::optional<at::Tensor>& variance,
+                                      const std::optional<at::Tensor>& residual, double epsilon,
+                                      c10::string_view activation, double negative_slope) {
+  const char* op = "batch_norm_masked_act_forward";
+  ActPlan p{masked_forward_plan(op, src, mask, gamma, beta, mean, variance, epsilon), act::Kind::identity};
+  if (residual.has_value()) check_same_like_src(op, "residual", *residual, src);
+  p.kind = check_activation(op, activation, negative_slope);
+  return p;
+}
+
+ActPlan check_masked_act_backward_args(const at::Tensor& src, const at::Tensor& mask,
+                                       const std::optional<at::Tensor>& dst,
+                                       const std::optional<at::Tensor>& residual, const at::Tensor& diff_dst,
+                                       const at::Tensor& mean, const at::Tensor& variance,
+                                       const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                       double epsilon, c10::string_view activation, double negative_slope) {
+  const char* op = "batch_norm_masked_act_backward";
+  const act::Kind kind = check_activation(op, activation, negative_slope);
+  ActPlan p{masked_backward_plan(op, src, mask, diff_dst, mean, variance, gamma, beta, epsilon), kind};
+  const bool gate_from_dst = kind == act::Kind::relu || kind == act::Kind::leaky_relu;
+  TORCH_CHECK_VALUE(!gate_from_dst || dst.has_value(), op, ": dst must be given for activation='",
+                    std::string(activation), "', got None");
+  if (dst.has_value()) check_same_like_src(op, "dst", *dst, src);
+  if (residual.has_value()) check_same_like_src(op, "residual", *residual, src);
+  return p;
 }
 
 ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,

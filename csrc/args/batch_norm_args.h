@@ -90,6 +90,22 @@ ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<
                                 c10::string_view data_format, bool from_output,
                                 const std::optional<at::Tensor>& dst_positive);
 
+// The fused masked operators' arguments: the masked operators', a residual
+// like src, the activation; the backward's dst (read for act' of relu and
+// leaky_relu) like src.
+ActPlan check_masked_act_forward_args(const at::Tensor& src, const at::Tensor& mask,
+                                      const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                      const std::optional<at::Tensor>& mean,
+                                      const std::optional<at::Tensor>& variance,
+                                      const std::optional<at::Tensor>& residual, double epsilon,
+                                      c10::string_view activation, double negative_slope);
+ActPlan check_masked_act_backward_args(const at::Tensor& src, const at::Tensor& mask,
+                                       const std::optional<at::Tensor>& dst,
+                                       const std::optional<at::Tensor>& residual, const at::Tensor& diff_dst,
+                                       const at::Tensor& mean, const at::Tensor& variance,
+                                       const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                                       double epsilon, c10::string_view activation, double negative_slope);
+
 // The split-stage operators' arguments (1-D statistics only; per-channel
 // statistics float64 of shape (C,), packed rows (rows, C)), and their plan.
 ChannelPlan check_local_stats_args(const at::Tensor& src, c10::string_view data_format);

@@ -1,9 +1,13 @@
-// Autograd of batch_norm_masked_forward, in C++, as batch_norm_autograd.cpp
+// Autograd of batch_norm_masked_forward and the fused
+// batch_norm_masked_act_forward, in C++, as batch_norm_autograd.cpp
 // does it for the plain forward: recording a masked training step through a
 // Python autograd.Function cost about 45 us of interpreter a call, a large
 // share of a small padded layer's step. The gradient is the masked backward
 // operator (padded positions get 0 and are never read), whose own Autograd
-// kernel (Python, _masked_autograd.py) records it for higher orders.
+// kernel (Python, _masked_autograd.py) records it for higher orders. The
+// fused forward's gradient is the fused backward operator (its gate, then the
+// same sums); under double backward its gate is times_act_grad's (act_grad.h)
+// in differentiable ops, then the masked backward operator.
 // Forward-mode AD is not provided: a tangent raises.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
@@ -17,7 +21,9 @@
 #include <string>
 #include <tuple>
 
+#include "autograd/act_grad.h"
 #include "autograd/autograd_node.h"
+#include "autograd/backward_refusal.h"
 #include "autograd/channel_algebra.h"
 #include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
@@ -44,29 +50,52 @@ const auto& masked_backward_op() {
   return op;
 }
 
+const auto& masked_act_forward_op() {
+  static const auto op = typed_operator<Outputs4(
+      const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
+      const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double)>(
+      "torch_bn_grad::batch_norm_masked_act_forward");
+  return op;
+}
+
+const auto& masked_act_backward_op() {
+  static const auto op = typed_operator<Outputs4(
+      const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double, c10::string_view,
+      double, bool, std::array<bool, 4>)>("torch_bn_grad::batch_norm_masked_act_backward");
+  return op;
+}
+
+OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
 std::optional<at::ScalarType> dtype_of(const OptionalTensor& t) {
   return given(t) ? std::optional<at::ScalarType>(t->scalar_type()) : std::nullopt;
 }
 
-// Gradients with respect to (src, mask, gamma, beta, mean, variance) of
-// (dst, mean, variance, count) = batch_norm_masked_forward(...), the plain
-// forward's formulas (forward_grad.h) over valid positions: dst's gradient
-// through the backward operator; with batch statistics, their own gradients
-// add batch_statistics_grad at valid positions (the valid count per
-// channel); frozen statistics take frozen_statistics_grads, and as the
+// Gradients with respect to (src, mask, gamma, beta, mean, variance[,
+// residual]) of (dst, mean, variance, count) = batch_norm_masked_forward(...)
+// (or batch_norm_masked_act_forward), the plain forward's formulas
+// (forward_grad.h) over valid positions: dst's gradient through the backward
+// operator (the fused one's gate first); with batch statistics, their own
+// gradients add batch_statistics_grad at valid positions (the valid count
+// per channel); frozen statistics take frozen_statistics_grads, and as the
 // returned statistics are the given ones, their gradients add.
 struct MaskedForwardNode : public torch::autograd::Node {
-  SavedVariable src, mask, gamma, mean, variance, count;
-  double epsilon = 0;
+  SavedVariable src, mask, gamma, beta, mean, variance, count, dst, residual;
+  double epsilon = 0, slope = 0;
   bool batch_statistics = true;
+  bool fused = false;  // batch_norm_masked_act_forward: `activation`, `slope`, a residual edge
+  std::string activation = "identity";
   std::optional<at::ScalarType> gamma_dtype, beta_dtype, mean_dtype, variance_dtype;
 
-  std::string name() const override { return "BatchNormMaskedForwardBackward"; }
+  std::string name() const override {
+    return fused ? "BatchNormMaskedActForwardBackward" : "BatchNormMaskedForwardBackward";
+  }
 
   variable_list apply(variable_list&& grads) override {
-    std::array<bool, 6> needs{};
-    for (size_t input = 0; input < 6; ++input) needs[input] = task_should_compute_output(input);
+    const size_t inputs = fused ? 7 : 6;
+    std::array<bool, 7> needs{};
+    for (size_t input = 0; input < inputs; ++input) needs[input] = task_should_compute_output(input);
     const auto self = getptr();
     const at::Tensor x = src.unpack(self), valid = mask.unpack(self), g = gamma.unpack(self);
     const at::Tensor m = mean.unpack(self), v = variance.unpack(self);
@@ -74,13 +103,30 @@ struct MaskedForwardNode : public torch::autograd::Node {
     const at::Tensor& grad_mean = grads[1];
     const at::Tensor& grad_variance = grads[2];
     const bool frozen_stats = !batch_statistics && (needs[4] || needs[5]);
-    at::Tensor diff_src, diff_gamma, diff_beta, diff_mean, diff_variance;
+    at::Tensor diff_src, diff_gamma, diff_beta, diff_mean, diff_variance, diff_residual;
     if (grad_dst.defined()) {
       const std::array<bool, 3> wanted = {needs[0], needs[2] || frozen_stats, needs[3] || frozen_stats};
       // Half-precision parameters with float32 statistics: the backward takes them in the statistics' dtype.
       const OptionalTensor g_stats = g.defined() ? OptionalTensor(to_dtype(g, m.scalar_type())) : std::nullopt;
-      auto [ds, dg, db] =
-          masked_backward_op().call(x, valid, grad_dst, m, v, g_stats, epsilon, batch_statistics, wanted);
+      at::Tensor ds, dg, db;
+      if (!fused) {
+        std::tie(ds, dg, db) =
+            masked_backward_op().call(x, valid, grad_dst, m, v, g_stats, epsilon, batch_statistics, wanted);
+      } else {
+        const at::Tensor b = beta.unpack(self), y = dst.unpack(self), r = residual.unpack(self);
+        const OptionalTensor b_stats = b.defined() ? OptionalTensor(to_dtype(b, m.scalar_type())) : std::nullopt;
+        if (at::GradMode::is_enabled()) {  // double backward: a gate in differentiable ops
+          const at::Tensor dz = times_act_grad(grad_dst, {activation, slope, epsilon, "NCX"}, x, y, r, m, v,
+                                               or_undefined(g_stats), or_undefined(b_stats));
+          std::tie(ds, dg, db) =
+              masked_backward_op().call(x, valid, dz, m, v, g_stats, epsilon, batch_statistics, wanted);
+          if (needs[6]) diff_residual = at::where(valid.unsqueeze(1), dz, 0);
+        } else {
+          std::tie(ds, dg, db, diff_residual) = masked_act_backward_op().call(
+              x, valid, optional(y), optional(r), grad_dst, m, v, g_stats, b_stats, epsilon, activation, slope,
+              batch_statistics, {wanted[0], wanted[1], wanted[2], needs[6]});
+        }
+      }
       if (needs[0]) diff_src = ds;
       if (needs[2]) diff_gamma = to_dtype(dg, gamma_dtype);
       if (needs[3]) diff_beta = to_dtype(db, beta_dtype);
@@ -97,39 +143,45 @@ struct MaskedForwardNode : public torch::autograd::Node {
       diff_mean = plus(diff_mean, grad_mean);
       diff_variance = plus(diff_variance, grad_variance);
     }
-    return {diff_src,
-            at::Tensor(),
-            diff_gamma,
-            diff_beta,
-            needs[4] && diff_mean.defined() ? to_dtype(diff_mean, mean_dtype) : at::Tensor(),
-            needs[5] && diff_variance.defined() ? to_dtype(diff_variance, variance_dtype) : at::Tensor()};
+    variable_list out = {diff_src,
+                         at::Tensor(),
+                         diff_gamma,
+                         diff_beta,
+                         needs[4] && diff_mean.defined() ? to_dtype(diff_mean, mean_dtype) : at::Tensor(),
+                         needs[5] && diff_variance.defined() ? to_dtype(diff_variance, variance_dtype) : at::Tensor()};
+    if (fused) out.push_back(needs[6] ? diff_residual : at::Tensor());
+    return out;
   }
 
   void release_variables() override {
-    src.reset_data();
-    mask.reset_data();
-    gamma.reset_data();
-    mean.reset_data();
-    variance.reset_data();
-    count.reset_data();
+    for (SavedVariable* saved : {&src, &mask, &gamma, &beta, &mean, &variance, &count, &dst, &residual})
+      saved->reset_data();
   }
+
+  static at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 };
 
-Outputs4 batch_norm_masked_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
-                                            const OptionalTensor& gamma, const OptionalTensor& beta,
-                                            const OptionalTensor& mean, const OptionalTensor& variance,
-                                            double epsilon) {
+// The autograd formula of both forward operators: `call()` runs the operator
+// below autograd; `residual` (an edge) and the activation only for the fused one.
+template <class Call>
+Outputs4 masked_forward_autograd(const char* op, const at::Tensor& src, const at::Tensor& mask,
+                                 const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
+                                 const OptionalTensor& variance, const OptionalTensor* residual, double epsilon,
+                                 c10::string_view activation, double slope, const Call& call) {
+  const OptionalTensor no_residual;
+  const OptionalTensor& r = residual ? *residual : no_residual;
   TORCH_CHECK(!(has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) ||
-                has_tangent(variance)),
-              "batch_norm_masked_forward: forward-mode AD is not implemented for the masked batch norm");
+                has_tangent(variance) || has_tangent(r)),
+              op, ": forward-mode AD is not implemented for the masked batch norm");
   NodePtr<MaskedForwardNode> node;
-  if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance)) {
+  if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance, r)) {
     node = make_node<MaskedForwardNode>();
-    node->set_next_edges(torch::autograd::collect_next_edges(src, mask, gamma, beta, mean, variance));
+    if (residual) node->set_next_edges(torch::autograd::collect_next_edges(src, mask, gamma, beta, mean, variance, r));
+    else node->set_next_edges(torch::autograd::collect_next_edges(src, mask, gamma, beta, mean, variance));
   }
   auto outputs = [&] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return masked_forward_op().call(src, mask, gamma, beta, mean, variance, epsilon);
+    return call();
   }();
   if (node) {
     auto& [dst, mean_used, variance_used, count] = outputs;
@@ -150,6 +202,73 @@ Outputs4 batch_norm_masked_forward_autograd(const at::Tensor& src, const at::Ten
     node->beta_dtype = dtype_of(beta);
     node->mean_dtype = dtype_of(mean);
     node->variance_dtype = dtype_of(variance);
+    if (residual) {
+      // What the gate reads: dst (relu, leaky_relu), or z's other operands (silu).
+      node->fused = true;
+      node->activation = std::string(activation);
+      node->slope = slope;
+      if (activation == "relu" || activation == "leaky_relu") node->dst = SavedVariable(dst, true);
+      if (activation == "silu") {
+        node->beta = SavedVariable(given(beta) ? *beta : at::Tensor(), false);
+        node->residual = SavedVariable(given(r) ? *r : at::Tensor(), false);
+      }
+    }
+  }
+  return outputs;
+}
+
+Outputs4 batch_norm_masked_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
+                                            const OptionalTensor& gamma, const OptionalTensor& beta,
+                                            const OptionalTensor& mean, const OptionalTensor& variance,
+                                            double epsilon) {
+  return masked_forward_autograd("batch_norm_masked_forward", src, mask, gamma, beta, mean, variance, nullptr,
+                                 epsilon, "identity", 0.0, [&] {
+                                   return masked_forward_op().call(src, mask, gamma, beta, mean, variance, epsilon);
+                                 });
+}
+
+Outputs4 batch_norm_masked_act_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
+                                                const OptionalTensor& gamma, const OptionalTensor& beta,
+                                                const OptionalTensor& mean, const OptionalTensor& variance,
+                                                const OptionalTensor& residual, double epsilon,
+                                                c10::string_view activation, double negative_slope) {
+  return masked_forward_autograd("batch_norm_masked_act_forward", src, mask, gamma, beta, mean, variance, &residual,
+                                 epsilon, activation, negative_slope, [&] {
+                                   return masked_act_forward_op().call(src, mask, gamma, beta, mean, variance,
+                                                                       residual, epsilon, activation, negative_slope);
+                                 });
+}
+
+// The fused backward operator records a BackwardRefusal where its inputs require grad.
+Outputs4 batch_norm_masked_act_backward_autograd(const at::Tensor& src, const at::Tensor& mask,
+                                                 const OptionalTensor& dst, const OptionalTensor& residual,
+                                                 const at::Tensor& diff_dst, const at::Tensor& mean,
+                                                 const at::Tensor& variance, const OptionalTensor& gamma,
+                                                 const OptionalTensor& beta, double epsilon,
+                                                 c10::string_view activation, double negative_slope, bool training,
+                                                 std::array<bool, 4> output_mask) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(has_tangent(src) || has_tangent(dst) || has_tangent(residual) || has_tangent(diff_dst) ||
+        has_tangent(mean) || has_tangent(variance) || has_tangent(gamma) || has_tangent(beta)),
+      "batch_norm_masked_act_backward has no forward-mode derivative");
+  NodePtr<BackwardRefusal> node;
+  if (torch::autograd::compute_requires_grad(src, dst, residual, diff_dst, mean, variance, gamma, beta)) {
+    node = make_node<BackwardRefusal>();
+    node->op = "batch_norm_masked_act_backward";
+    node->forward = "batch_norm_masked_act_forward (or the masked BatchNormAct modules)";
+    node->set_next_edges(
+        torch::autograd::collect_next_edges(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta));
+  }
+  auto outputs = [&] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return masked_act_backward_op().call(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta, epsilon,
+                                         activation, negative_slope, training, output_mask);
+  }();
+  if (node) {
+    auto& [a, b, c, d] = outputs;
+    for (at::Tensor* out : {&a, &b, &c, &d}) {
+      if (out->defined()) torch::autograd::set_history(*out, node);
+    }
   }
   return outputs;
 }
@@ -158,6 +277,8 @@ Outputs4 batch_norm_masked_forward_autograd(const at::Tensor& src, const at::Ten
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
   m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_autograd);
+  m.impl("batch_norm_masked_act_forward", &batch_norm_masked_act_forward_autograd);
+  m.impl("batch_norm_masked_act_backward", &batch_norm_masked_act_backward_autograd);
 }
 
 }  // namespace torch_bn_grad

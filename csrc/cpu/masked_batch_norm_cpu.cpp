@@ -1,4 +1,5 @@
-// CPU masked operators (batch_norm_masked_forward / _backward): check, lay
+// CPU masked operators (batch_norm_masked_forward / _backward, and the fused
+// batch_norm_masked_act_forward / _backward): check, lay
 // the data out (masked_layout.h), find the valid positions once, then the
 // masked kernels (cpu/kernels/masked_kernels.cpp), handing them the
 // per-channel formulas of batch_norm_math.h in float64 as their finish.
@@ -84,50 +85,82 @@ std::vector<double> channel_values(const std::optional<at::Tensor>& t, const Cha
 
 at::Tensor count_tensor(int64_t count) { return at::scalar_tensor(static_cast<double>(count), at::kDouble); }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_cpu(
-    const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
-    const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
-    const std::optional<at::Tensor>& variance, double epsilon) {
-  const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
+// A channel's forward coefficients (scale, shift about its mean) from float64 values.
+struct ForwardChannels {
+  std::vector<double> mean, variance, gamma, beta;
+  double epsilon;
+  MaskedChannelAffine operator()(int64_t c) const {
+    const auto f = math::forward_coefficients(variance[c], gamma[c], beta[c], epsilon);
+    return {mean[c], {0.0, f.scale, f.shift}};
+  }
+};
+
+using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Both forward operators: batch norm over the valid positions, then `act`'s
+// epilogue (residual, activation) in the same pass.
+ForwardResult masked_forward(const ChannelPlan& plan, const at::Tensor& src, const at::Tensor& mask,
+                             const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+                             const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& variance,
+                             double epsilon, const std::optional<at::Tensor>& residual, act::Kind kind,
+                             double negative_slope) {
   const MaskedLayout layout = masked_layout(src);
   const ValidPositions valid = valid_positions(mask, layout);
   const MaskedView v = valid.view(layout);
   const bool frozen = mean.has_value();
   const auto stats_dtype = frozen ? mean->scalar_type() : accumulate_type(src.scalar_type());
+  const MaskedAct act{residual.has_value() ? to_masked_layout(*residual, layout) : at::Tensor(), kind,
+                      negative_slope};
 
   // Frozen: the given statistics; batch statistics: filled in by the kernels' finish.
-  std::vector<double> mean_d = channel_values(mean, plan, 0.0, src), var_d = channel_values(variance, plan, 0.0, src);
+  ForwardChannels k{channel_values(mean, plan, 0.0, src), channel_values(variance, plan, 0.0, src),
+                    channel_values(gamma, plan, 1.0, src), channel_values(beta, plan, 0.0, src), epsilon};
   at::Tensor dst = masked_output(src, layout, output_allocator());
-  const std::vector<double> gamma_d = channel_values(gamma, plan, 1.0, src),
-                            beta_d = channel_values(beta, plan, 0.0, src);
-  auto coefficients = [&](int64_t c) -> MaskedChannelAffine {
-    const auto f = math::forward_coefficients(var_d[c], gamma_d[c], beta_d[c], epsilon);
-    return {mean_d[c], {0.0, f.scale, f.shift}};
-  };
   if (!frozen && valid.count > 0) {
     masked_kernel_table().forward(layout.data, dst, v, [&](int64_t c, const math::Moments<double>& m) {
-      mean_d[c] = m.mean;
-      var_d[c] = math::variance_of(m);
-      return coefficients(c);
-    });
+      k.mean[c] = m.mean;
+      k.variance[c] = math::variance_of(m);
+      return k(c);
+    }, act);
   } else if (src.numel() > 0) {
-    masked_kernel_table().affine(layout.data, at::Tensor(), dst, v, coefficients);
+    masked_kernel_table().forward_affine(layout.data, dst, v, k, act);
   }
   if (frozen) return {dst, mean->clone(), variance->clone(), count_tensor(valid.count)};
-  return {dst, kernel_channels_result(mean_d.data(), plan, stats_dtype, src),
-          kernel_channels_result(var_d.data(), plan, stats_dtype, src), count_tensor(valid.count)};
+  return {dst, kernel_channels_result(k.mean.data(), plan, stats_dtype, src),
+          kernel_channels_result(k.variance.data(), plan, stats_dtype, src), count_tensor(valid.count)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
-    const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
-    std::array<bool, 3> output_mask) {
-  const ChannelPlan plan = check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
+ForwardResult batch_norm_masked_forward_cpu(const at::Tensor& src, const at::Tensor& mask,
+                                            const std::optional<at::Tensor>& gamma,
+                                            const std::optional<at::Tensor>& beta,
+                                            const std::optional<at::Tensor>& mean,
+                                            const std::optional<at::Tensor>& variance, double epsilon) {
+  const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
+  return masked_forward(plan, src, mask, gamma, beta, mean, variance, epsilon, std::nullopt, act::Kind::identity,
+                        0.0);
+}
+
+ForwardResult batch_norm_masked_act_forward_cpu(const at::Tensor& src, const at::Tensor& mask,
+                                                const std::optional<at::Tensor>& gamma,
+                                                const std::optional<at::Tensor>& beta,
+                                                const std::optional<at::Tensor>& mean,
+                                                const std::optional<at::Tensor>& variance,
+                                                const std::optional<at::Tensor>& residual, double epsilon,
+                                                c10::string_view activation, double negative_slope) {
+  const ActPlan p = check_masked_act_forward_args(src, mask, gamma, beta, mean, variance, residual, epsilon,
+                                                  activation, negative_slope);
+  return masked_forward(p.plan, src, mask, gamma, beta, mean, variance, epsilon, residual, p.kind, negative_slope);
+}
+
+// Both backward operators past their gate: the sums of dy (in `layout`'s
+// form, src's) over the valid positions and the pass into diff_src.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_backward(
+    const ChannelPlan& plan, const at::Tensor& src, const MaskedLayout& layout, const ValidPositions& valid,
+    const at::Tensor& dy,
+    const at::Tensor& mean, const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon,
+    bool training, std::array<bool, 3> output_mask) {
   const int64_t C = plan.channels;
-  const MaskedLayout layout = masked_layout(src);
-  const ValidPositions valid = valid_positions(mask, layout);
   const MaskedView v = valid.view(layout);
-  const at::Tensor dy = to_masked_layout(diff_dst, layout);
   const std::vector<double> mean_d = channel_values(mean, plan, 0.0, src),
                             var_d = channel_values(variance, plan, 0.0, src),
                             gamma_d = channel_values(gamma, plan, 1.0, src);
@@ -150,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
     std::vector<MaskedChannelAffine> k(C);
     for (int64_t c = 0; c < C; ++c) k[c] = finish(c, math::GradSums<double>{0.0, 0.0});
     if (output_mask[0] && src.numel() > 0) {
-      masked_kernel_table().affine(layout.data, dy, diff_src, v, [&](int64_t c) { return k[c]; });
+      masked_kernel_table().backward_affine(layout.data, dy, diff_src, v, [&](int64_t c) { return k[c]; });
     }
   }
   const auto stats_dtype = mean.scalar_type();
@@ -161,11 +194,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
                          : at::empty({0}, mean.options())};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
+    const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
+    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
+    std::array<bool, 3> output_mask) {
+  const ChannelPlan plan = check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
+  const MaskedLayout layout = masked_layout(src);
+  const ValidPositions valid = valid_positions(mask, layout);
+  return masked_backward(plan, src, layout, valid, to_masked_layout(diff_dst, layout), mean, variance, gamma, epsilon,
+                         training, output_mask);
+}
+
+// The fused backward: dz = diff_dst * act'(z) at valid positions, 0 at padded
+// ones (which is also diff_residual), then the plain backward on dz.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_act_backward_cpu(
+    const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& dst,
+    const std::optional<at::Tensor>& residual, const at::Tensor& diff_dst, const at::Tensor& mean,
+    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
+    double epsilon, c10::string_view activation, double negative_slope, bool training,
+    std::array<bool, 4> output_mask) {
+  const ActPlan p = check_masked_act_backward_args(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta,
+                                                   epsilon, activation, negative_slope);
+  const MaskedLayout layout = masked_layout(src);
+  const ValidPositions valid = valid_positions(mask, layout);
+  const bool from_output = p.kind != act::Kind::silu;
+  const MaskedAct act{!from_output && residual.has_value() ? to_masked_layout(*residual, layout) : at::Tensor(),
+                      p.kind, negative_slope};
+  at::Tensor dz = masked_output(src, layout, output_allocator());
+  if (src.numel() > 0) {
+    const ForwardChannels k{channel_values(mean, p.plan, 0.0, src), channel_values(variance, p.plan, 0.0, src),
+                            channel_values(gamma, p.plan, 1.0, src), channel_values(beta, p.plan, 0.0, src),
+                            epsilon};
+    const at::Tensor y = from_output && dst.has_value() ? to_masked_layout(*dst, layout) : at::Tensor();
+    masked_kernel_table().gate(layout.data, y, to_masked_layout(diff_dst, layout), dz, valid.view(layout),
+                               k, act);
+  }
+  auto [diff_src, diff_gamma, diff_beta] = masked_backward(
+      p.plan, src, layout, valid, dz, mean, variance, gamma, epsilon, training,
+      {output_mask[0], output_mask[1], output_mask[2]});
+  return {diff_src, diff_gamma, diff_beta, output_mask[3] ? dz : at::empty({0}, src.options())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
   m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_cpu);
   m.impl("batch_norm_masked_backward", &batch_norm_masked_backward_cpu);
+  m.impl("batch_norm_masked_act_forward", &batch_norm_masked_act_forward_cpu);
+  m.impl("batch_norm_masked_act_backward", &batch_norm_masked_act_backward_cpu);
 }
 
 }  // namespace torch_bn_grad::cpu

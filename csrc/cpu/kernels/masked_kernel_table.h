@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "math/activation_math.h"
 #include "math/batch_norm_math.h"
 #include "math/extent.h"
 
@@ -51,6 +52,16 @@ struct MaskedChannelAffine {
   math::BackwardCoefficients<double> k;
 };
 
+// The forward pass's epilogue: dst = act(z + residual) where z is the
+// batch norm's value, at valid positions (padded ones stay 0, which every
+// activation keeps); `residual` in the layout's form, undefined when absent.
+// The plain operators' epilogue is the default: identity, no residual.
+struct MaskedAct {
+  at::Tensor residual;
+  act::Kind kind = act::Kind::identity;
+  double slope = 0.0;
+};
+
 // The operator's per-channel step between a reduction and the elementwise
 // pass: a channel's coefficients from its sums (it may keep results of its
 // own, such as the statistics). Called once per channel, from any thread.
@@ -61,16 +72,26 @@ using MaskedCoefficients = c10::function_ref<MaskedChannelAffine(int64_t channel
 
 struct MaskedKernelTable {
   // The training forward (count > 0): each channel's moments over its valid
-  // values, finish, and the pass without dy into `out`.
-  void (*forward)(const at::Tensor& src, at::Tensor& out, const MaskedView& v, MaskedMomentsFinish finish);
+  // values, finish, and the pass without dy into `out`, through `act`.
+  void (*forward)(const at::Tensor& src, at::Tensor& out, const MaskedView& v, MaskedMomentsFinish finish,
+                  const MaskedAct& act);
+  // The forward's pass alone (frozen statistics, or no valid position).
+  void (*forward_affine)(const at::Tensor& src, at::Tensor& out, const MaskedView& v,
+                         MaskedCoefficients coefficients, const MaskedAct& act);
   // The backward's sums (count > 0): sum(dy) and sum(dy * (x - mean[c])) over
   // each channel's valid positions, finish, and the pass with dy into `out`
   // where `out` is defined.
   void (*backward)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
                    const double* mean, MaskedGradFinish finish);
-  // The pass alone (with dy where diff_dst is defined).
-  void (*affine)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
-                 MaskedCoefficients coefficients);
+  // The backward's pass alone.
+  void (*backward_affine)(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
+                          MaskedCoefficients coefficients);
+  // The fused backward's gate: dz = diff_dst * act'(...) at valid positions,
+  // 0 at padded ones; act' read from `dst` where the activation allows
+  // (act::*::kGradFromOutput), else from z recomputed as the forward made it
+  // (`forward`'s coefficients, src and act.residual).
+  void (*gate)(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& diff_dst, at::Tensor& dz,
+               const MaskedView& v, MaskedCoefficients forward, const MaskedAct& act);
 };
 
 const MaskedKernelTable& masked_kernel_table();
