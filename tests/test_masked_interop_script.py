@@ -71,7 +71,8 @@ def _assert_same_steps(eager: nn.Module, scripted, batches) -> None:
         for got, want in zip(ours, theirs):
             assert torch.equal(got.grad, want.grad)
     for (name, want), got in zip(eager.named_parameters(), scripted.parameters()):
-        assert (want.grad is None) == (got.grad is None) and (want.grad is None or torch.equal(got.grad, want.grad)), name
+        assert (want.grad is None) == (got.grad is None), name
+        assert want.grad is None or torch.equal(got.grad, want.grad), name
     _assert_equal_state(eager, scripted)
 
 
