@@ -5,7 +5,9 @@ The result equals gathering each channel's valid positions, batch-normalizing
 them and scattering them back into zeros: statistics over valid positions
 only, running statistics updated with the unbiased variance of the valid
 count (untouched when there is none), padded outputs and gradients exactly 0.
-The valid count stays a tensor: nothing waits on the mask's contents.
+The valid count stays a tensor: nothing waits on the mask's contents. Under
+the ONNX exporters the same batch norm is made of torch operators
+(``_onnx.masked_batch_norm``), which they translate.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation
+from torch_bn_grad import _activation, _compat, _onnx
 from torch_bn_grad._checks import check_mask
 from torch_bn_grad._masked_autograd import FORWARD, valid_positions
 from torch_bn_grad._running_stats import update_running_stats
@@ -38,10 +40,13 @@ def masked_batch_norm(
     if not training:
         if running_mean is None or running_var is None:
             raise ValueError(f"{op}: running_mean and running_var must be given when training=False")
+    elif not eps > 0:
+        raise ValueError(f"{op}: eps must be positive in training, got {eps}")
+    if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
+        return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
+    if not training:
         dst, _, _, _ = FORWARD(input, mask, weight, bias, running_mean, running_var, float(eps))
         return dst
-    if not eps > 0:
-        raise ValueError(f"{op}: eps must be positive in training, got {eps}")
     dst, mean, var, count = FORWARD(input, mask, weight, bias, None, None, float(eps))
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
