@@ -5,7 +5,9 @@ Modules called with a mask export as standard ONNX: in eval mode
 (the dynamo-based exporter on a training-mode model, the TorchScript-based one
 with ``training=TrainingMode.TRAINING``) the statistics of the valid positions
 (``ReduceSum``). onnxruntime must give the eager outputs (max error <= 1e-5
-relative), padded positions exactly 0 whatever they hold.
+relative), padded positions exactly 0 whatever they hold. A scripted model
+holds the masked operator itself: its symbolic (TorchScript-based exporter)
+translates both forms.
 """
 
 from __future__ import annotations
@@ -159,6 +161,22 @@ def test_default_torchscript_export_of_a_training_model_uses_running_statistics(
     proto = export(copy.deepcopy(eager), (x, mask), "torchscript")
     assert "BatchNormalization" in ops(proto)
     _assert_runs_as_eager(proto, eager.eval(), *_batch(shape, seed=2))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("model", ["bn1d", "act2d_residual"])
+def test_scripted_masked_model_exports(model: str, train: bool) -> None:
+    """A scripted model calls batch_norm_masked_forward: its symbolic gives the same graphs' outputs."""
+    make, shape = MODELS[model]
+    eager = _randomized(make()).train(train)
+    x, mask = _batch(shape, seed=1)
+    scripted = torch.jit.script(copy.deepcopy(eager))
+    assert "torch_bn_grad::batch_norm_masked_forward" in str(scripted.bn.forward.inlined_graph)
+    proto = export(scripted, (x, mask), "torchscript", **(TRAINING["torchscript"] if train else {}))
+    assert_standard_ops(proto)
+    assert ("ReduceSum" in ops(proto)) == train and ("BatchNormalization" in ops(proto)) == (not train)
+    for seed in (2, 3):
+        _assert_runs_as_eager(proto, eager, *_batch(shape, seed))
 
 
 def test_masked_export_does_not_change_eager_behaviour() -> None:
