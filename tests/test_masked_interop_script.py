@@ -105,6 +105,20 @@ def test_scripted_masked_batchnorm_matches_eager(cls, shape, train: bool, moment
         assert not torch.equal(scripted.running_mean, _randomized(cls(5)).running_mean)
 
 
+@pytest.mark.parametrize("data, parameters", [
+    (torch.float64, torch.float64), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+], ids=str)
+def test_scripted_masked_running_statistics_in_every_dtype(data, parameters) -> None:
+    """The scripted update (tensor arithmetic) rounds as the eager one (the update operator)."""
+    for momentum in (0.1, None):
+        eager = torch_bn_grad.nn.BatchNorm1d(6, momentum=momentum).to(parameters)
+        scripted = torch.jit.script(copy.deepcopy(eager))
+        for step in range(3):
+            x, mask = padded_batch((4, 6, 17), data, seed=step, offset=1.5)
+            assert torch.equal(scripted(x, mask), eager(x, mask))
+        _assert_equal_state(eager, scripted)
+
+
 @pytest.mark.parametrize("options", [{"affine": False}, {"track_running_stats": False}], ids=str)
 def test_scripted_masked_batchnorm_variants(options) -> None:
     for train in (True, False):
