@@ -13,60 +13,24 @@ BatchNormalizations use the batch statistics, as torch's.
 
 from __future__ import annotations
 
-import io
-import logging
-import warnings
-
 import pytest
 import torch
 
 import torch_bn_grad
 from interop_models import assert_same_state, example_input, twins
+from onnx_runs import EXPORTERS, assert_close_relative, assert_standard_ops, export, ops, run
 
-onnx = pytest.importorskip("onnx", reason="the onnx package is needed to read exported models")
-ort = pytest.importorskip("onnxruntime", reason="onnxruntime is needed to run exported models")
+pytest.importorskip("onnx", reason="the onnx package is needed to read exported models")
+pytest.importorskip("onnxruntime", reason="onnxruntime is needed to run exported models")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
 
-EXPORTERS = ["dynamo", "torchscript"]
-
-
-def _export(model: torch.nn.Module, x: torch.Tensor, exporter: str, **kwargs):
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if exporter == "dynamo":
-                pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
-                return torch.onnx.export(model, (x,), dynamo=True, verbose=False, **kwargs).model_proto
-            buffer = io.BytesIO()
-            torch.onnx.export(model, (x,), buffer, dynamo=False, **kwargs)
-            return onnx.load_from_string(buffer.getvalue())
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def _run(proto, x: torch.Tensor) -> torch.Tensor:
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})[:1]
-    return torch.from_numpy(out)
-
-
-def _ops(proto) -> list[str]:
-    return [node.op_type for node in proto.graph.node]
-
-
-def _assert_close_relative(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    scale = expected.abs().max().item()
-    error = (actual - expected).abs().max().item()
-    assert error <= 1e-5 * max(scale, 1e-30), f"max error {error} > 1e-5 * {scale}"
-
 
 def _assert_exports_as_torch(reference, ours, x, exporter, **kwargs):
-    expected_proto = _export(reference, x, exporter, **kwargs)
-    proto = _export(ours, x, exporter, **kwargs)
-    assert _ops(proto) == _ops(expected_proto)
-    assert not any(node.domain not in ("", "ai.onnx") for node in proto.graph.node)
+    expected_proto = export(reference, (x,), exporter, **kwargs)
+    proto = export(ours, (x,), exporter, **kwargs)
+    assert ops(proto) == ops(expected_proto)
+    assert_standard_ops(proto)
     assert [i.name for i in proto.graph.input] == [i.name for i in expected_proto.graph.input]
     assert len(proto.graph.output) == len(expected_proto.graph.output)
     return proto, expected_proto
@@ -80,7 +44,7 @@ def test_export_eval_model(exporter: str) -> None:
     for seed in (1, 2):
         x = example_input(seed)
         with torch.no_grad():
-            _assert_close_relative(_run(proto, x), reference(x))
+            assert_close_relative(run(proto, x), reference(x))
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
@@ -104,9 +68,9 @@ def test_export_emits_batchnormalization(exporter: str, cls, shape) -> None:
     proto, _ = _assert_exports_as_torch(
         torch.nn.Sequential(reference).eval(), torch.nn.Sequential(ours).eval(), x, exporter
     )
-    assert "BatchNormalization" in _ops(proto)
+    assert "BatchNormalization" in ops(proto)
     with torch.no_grad():
-        _assert_close_relative(_run(proto, x), reference(x))
+        assert_close_relative(run(proto, x), reference(x))
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
@@ -117,7 +81,7 @@ def test_export_training_model_as_torch(exporter: str) -> None:
     proto, expected_proto = _assert_exports_as_torch(reference, ours, x, exporter)
     assert ours.training and ours.bn.training
     assert_same_state(reference, ours)
-    torch.testing.assert_close(_run(proto, x), _run(expected_proto, x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run(proto, x), run(expected_proto, x), rtol=1e-5, atol=1e-6)
 
 
 def test_export_training_mode_torchscript() -> None:
@@ -126,18 +90,18 @@ def test_export_training_mode_torchscript() -> None:
     x = example_input()
     kwargs = {"training": torch.onnx.TrainingMode.TRAINING, "do_constant_folding": False}
     proto, expected_proto = _assert_exports_as_torch(reference, ours, x, "torchscript", **kwargs)
-    assert _ops(proto).count("BatchNormalization") == 4
+    assert ops(proto).count("BatchNormalization") == 4
     assert_same_state(reference, ours)
-    out = _run(proto, x)
-    torch.testing.assert_close(out, _run(expected_proto, x), rtol=1e-5, atol=1e-6)
+    out = run(proto, x)
+    torch.testing.assert_close(out, run(expected_proto, x), rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        _assert_close_relative(out, reference(x))
+        assert_close_relative(out, reference(x))
 
 
 def test_export_does_not_change_eager_behaviour() -> None:
     """After an export the converted model still runs this library's operator."""
     _, ours = twins(train=False)
-    _export(ours, example_input(), "torchscript")
+    export(ours, (example_input(),), "torchscript")
     # Traced in training mode (eval traces torch's batch norm on purpose, test_interop_script.py).
     traced = torch.jit.trace(ours.train(), example_input(), check_trace=False)
     assert "torch_bn_grad::batch_norm_forward" in str(traced.inlined_graph)
@@ -150,7 +114,7 @@ def test_export_scripted_eval_model_torchscript() -> None:
     x = example_input()
     proto, _ = _assert_exports_as_torch(torch.jit.script(reference), torch.jit.script(ours), x, "torchscript")
     with torch.no_grad():
-        _assert_close_relative(_run(proto, x), reference(x))
+        assert_close_relative(run(proto, x), reference(x))
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -162,10 +126,10 @@ def test_export_scripted_batchnorm_emits_batchnormalization(affine: bool) -> Non
         reference.running_var.uniform_(0.5, 1.5)
     ours = torch_bn_grad.convert_batchnorm(torch.nn.Sequential(reference)).eval()
     x = example_input(4, (3, 4, 5, 6))
-    proto = _export(torch.jit.script(ours), x, "torchscript", do_constant_folding=False)
-    assert "BatchNormalization" in _ops(proto)
+    proto = export(torch.jit.script(ours), (x,), "torchscript", do_constant_folding=False)
+    assert "BatchNormalization" in ops(proto)
     with torch.no_grad():
-        _assert_close_relative(_run(proto, x), reference(x))
+        assert_close_relative(run(proto, x), reference(x))
 
 
 def test_export_scripted_training_operator_raises_clearly() -> None:
@@ -173,4 +137,4 @@ def test_export_scripted_training_operator_raises_clearly() -> None:
     _, ours = twins(train=True)
     x = example_input()
     with pytest.raises(Exception, match="batch statistics"):
-        _export(torch.jit.script(ours), x, "torchscript", training=torch.onnx.TrainingMode.TRAINING)
+        export(torch.jit.script(ours), (x,), "torchscript", training=torch.onnx.TrainingMode.TRAINING)

@@ -5,7 +5,9 @@ The result equals gathering each channel's valid positions, batch-normalizing
 them and scattering them back into zeros: statistics over valid positions
 only, running statistics updated with the unbiased variance of the valid
 count (untouched when there is none), padded outputs and gradients exactly 0.
-The valid count stays a tensor: nothing waits on the mask's contents.
+The valid count stays a tensor: nothing waits on the mask's contents. Under
+the ONNX exporters the same batch norm is made of torch operators
+(``_onnx.masked_batch_norm``), which they translate.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation
+from torch_bn_grad import _activation, _compat, _onnx
 from torch_bn_grad._checks import check_mask
 from torch_bn_grad._masked_autograd import FORWARD, FORWARD_ACT, valid_positions
 from torch_bn_grad._running_stats import update_running_stats
@@ -35,6 +37,9 @@ def masked_batch_norm(
 ) -> Tensor:
     """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True."""
     check_mask(op, input, mask)
+    if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
+        _check_arguments(running_mean, running_var, training, eps, op)
+        return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
     return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
                       running_mean, running_var, training, momentum, eps, op)
 
@@ -56,9 +61,9 @@ def masked_batch_norm_act(
 ) -> Tensor:
     """``activation(masked_batch_norm(...) + residual)``, padded outputs 0 whatever
     ``residual`` holds there: one fused operator on the CPU (a residual of
-    ``input``'s shape, dtype and device, or none), else composed
-    (:func:`masked_add_activate`)."""
-    if input.device.type != "cpu" or not _activation.fuses_residual(input, residual):
+    ``input``'s shape, dtype and device, or none), else (CUDA, ONNX export)
+    composed (:func:`masked_add_activate`)."""
+    if input.device.type != "cpu" or not _activation.fuses_residual(input, residual) or _compat.in_onnx_export():
         y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op)
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     check_mask(op, input, mask)
@@ -79,16 +84,21 @@ def _normalize(
 ) -> Tensor:
     """Either masked operator, ``forward(mean, variance)``, with frozen statistics
     (eval) or batch statistics and the running-statistics update (training)."""
+    _check_arguments(running_mean, running_var, training, eps, op)
     if not training:
-        if running_mean is None or running_var is None:
-            raise ValueError(f"{op}: running_mean and running_var must be given when training=False")
         return forward(running_mean, running_var)[0]
-    if not eps > 0:
-        raise ValueError(f"{op}: eps must be positive in training, got {eps}")
     dst, mean, var, count = forward(None, None)
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
     return dst
+
+
+def _check_arguments(running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool, eps: float,
+                     op: str) -> None:
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError(f"{op}: running_mean and running_var must be given when training=False")
+    if training and not eps > 0:
+        raise ValueError(f"{op}: eps must be positive in training, got {eps}")
 
 
 def masked_add_activate(

@@ -74,21 +74,44 @@ def update_running_stats(
     if _device_count_applies(count, momentum, mean):
         _COUNTED_UPDATE_OP(running_mean, running_var, mean, variance, count, momentum)
         return
+    if isinstance(count, Tensor):
+        update_with_count_tensor(running_mean, running_var, mean, variance, count, momentum)
+        return
+    # An int, or a SymInt under torch.compile.
+    if count == 0:
+        return
     # Detached rather than under no_grad (a context costs more than the update on small layers):
     # the buffers never require grad, so nothing is recorded.
     mean, variance = mean.detach(), variance.detach()
-    if isinstance(count, Tensor):
-        bessel: Union[float, Tensor] = count / (count - 1).clamp_min(1)  # count 1: the variance itself
-        seen: Optional[Tensor] = count > 0
-    else:  # an int, or a SymInt under torch.compile
-        if count == 0:
-            return
-        bessel = count / (count - 1) if count > 1 else 1.0
-        seen = None
+    bessel = count / (count - 1) if count > 1 else 1.0
     for running, batch in ((running_mean, mean), (running_var, variance * bessel)):
-        if running is None:
-            continue
-        if seen is None:
+        if running is not None:
             running.lerp_(batch.to(running.dtype), momentum)
-        else:
-            running.copy_(torch.where(seen, running.lerp(batch.to(running.dtype), momentum), running))
+
+
+def update_with_count_tensor(
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    mean: Tensor,
+    variance: Tensor,
+    count: Tensor,
+    momentum: Union[float, Tensor],
+) -> None:
+    """The update for a 0-dim ``count`` tensor in tensor arithmetic, the count never read
+    on the host: no change where it is 0, the variance unbiased with it (count 1: the
+    variance itself). TorchScript compiles it: the scripted modules' update (``_script.py``)."""
+    mean, variance = mean.detach(), variance.detach()  # as in update_running_stats: nothing recorded
+    bessel = count / (count - 1).clamp_min(1)
+    seen = count > 0
+    if running_mean is not None:
+        running_mean.copy_(torch.where(seen, _lerp(running_mean, mean, momentum), running_mean))
+    if running_var is not None:
+        running_var.copy_(torch.where(seen, _lerp(running_var, variance * bessel, momentum), running_var))
+
+
+def _lerp(running: Tensor, batch: Tensor, momentum: Union[float, Tensor]) -> Tensor:
+    """``running.lerp(batch, momentum)`` in running's dtype."""
+    # Two calls: TorchScript picks lerp's overload (Scalar or Tensor weight) by the weight's static type.
+    if isinstance(momentum, float):
+        return running.lerp(batch.to(running.dtype), momentum)
+    return running.lerp(batch.to(running.dtype), momentum)

@@ -46,18 +46,20 @@ class FusedForward:
         of ``input``'s shape without dim 1, True at valid positions."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant: TorchScript compiles this branch only
-            if mask is not None:
-                raise RuntimeError("batch norm: a mask is not supported in TorchScript (run the module in Python)")
-            return _script.module_forward(
-                input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
-                self.training, self.track_running_stats, self.momentum, self.eps,
-            )
+            return self._scripted_normalize(input, mask)
         if mask is not None:  # no torch forward for graph tools: torch has no masked batch norm
             check_mask(type(self).__name__, input, mask)  # before num_batches_tracked counts the batch
             return self._normalize_masked(input, mask, self._statistics())
         if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
         return self._normalize(input, self._statistics())
+
+    def _scripted_normalize(self, input: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """The batch norm as TorchScript compiles it (see _script.py)."""
+        return _script.module_forward(
+            input, mask, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
+            self.training, self.track_running_stats, self.momentum, self.eps,
+        )
 
     def _runs_torch_forward(self) -> bool:
         """Whether the forward is torch's ``_BatchNorm.forward``, for the graph
@@ -215,12 +217,9 @@ class ActForward(FusedForward):
         :func:`torch_bn_grad.functional.batch_norm_act`)."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant, as in FusedForward.forward
+            y = self._scripted_normalize(input, mask)
             if mask is not None:
-                raise RuntimeError("batch norm: a mask is not supported in TorchScript (run the module in Python)")
-            y = _script.module_forward(
-                input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
-                self.training, self.track_running_stats, self.momentum, self.eps,
-            )
+                return masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
             return self._add_activate(y, residual)
         if mask is not None:
             check_mask(type(self).__name__, input, mask)
