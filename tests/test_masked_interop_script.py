@@ -57,22 +57,29 @@ def _assert_equal_state(expected: nn.Module, actual: nn.Module) -> None:
         assert torch.equal(actual_state[key], value), key
 
 
-def _assert_same_steps(eager: nn.Module, scripted, batches) -> None:
+def _assert_same_steps(eager: nn.Module, scripted, batches, exact: bool = True) -> None:
     """Forward and backward each ``(inputs, mask)`` through both: outputs, input and
-    parameter gradients, and then every parameter and buffer, bitwise equal."""
+    parameter gradients, and then every parameter and buffer, bitwise equal (else,
+    ``exact=False``, to float32 rounding)."""
+    def same(a: Tensor, b: Tensor) -> bool:
+        if exact:
+            return torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        return True
+
     for step, (inputs, mask) in enumerate(batches):
         ours = [t.clone().requires_grad_() for t in inputs]
         theirs = [t.clone().requires_grad_() for t in inputs]
         expected, actual = eager(*theirs, mask=mask), scripted(*ours, mask=mask)
-        assert torch.equal(actual, expected)
+        assert same(actual, expected)
         grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(100 + step))
         expected.backward(grad)
         actual.backward(grad)
         for got, want in zip(ours, theirs):
-            assert torch.equal(got.grad, want.grad)
+            assert same(got.grad, want.grad)
     for (name, want), got in zip(eager.named_parameters(), scripted.parameters()):
         assert (want.grad is None) == (got.grad is None), name
-        assert want.grad is None or torch.equal(got.grad, want.grad), name
+        assert want.grad is None or same(got.grad, want.grad), name
     _assert_equal_state(eager, scripted)
 
 
@@ -129,14 +136,16 @@ def test_scripted_masked_batchnorm_variants(options) -> None:
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("activation", ["relu", "silu"])
 def test_scripted_masked_fused_module_with_residual(train: bool, activation: str) -> None:
-    """BatchNormAct2d: padded outputs 0 and no gradient there, whatever the residual holds."""
+    """BatchNormAct2d: padded outputs 0 and no gradient there, whatever the residual holds.
+    The scripted form adds the residual and activates with torch operations, the eager one
+    in the fused operator: the same roundings for relu, silu's own evaluation otherwise."""
     eager, scripted = _twins(lambda: torch_bn_grad.nn.BatchNormAct2d(4, activation=activation), train)
     batches = []
     for step in range(3):
         x, mask = padded_batch((3, 4, 6, 5), torch.float32, seed=20 + step, pad_value=float("nan"))
         residual = torch.randn(x.shape, generator=torch.Generator().manual_seed(step))
         batches.append(((x, torch.where(mask.unsqueeze(1), residual, float("nan"))), mask))
-    _assert_same_steps(eager, scripted, batches)
+    _assert_same_steps(eager, scripted, batches, exact=activation != "silu")
     (x, residual), mask = batches[0]
     out = scripted(x, residual, mask=mask)
     assert (out.masked_select(~mask.unsqueeze(1)) == 0).all()
