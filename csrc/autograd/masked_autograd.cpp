@@ -239,7 +239,6 @@ Outputs4 batch_norm_masked_act_forward_autograd(const at::Tensor& src, const at:
                                  });
 }
 
-// The fused backward operator records a BackwardRefusal where its inputs require grad.
 Outputs4 batch_norm_masked_act_backward_autograd(const at::Tensor& src, const at::Tensor& mask,
                                                  const OptionalTensor& dst, const OptionalTensor& residual,
                                                  const at::Tensor& diff_dst, const at::Tensor& mean,
@@ -247,30 +246,13 @@ Outputs4 batch_norm_masked_act_backward_autograd(const at::Tensor& src, const at
                                                  const OptionalTensor& beta, double epsilon,
                                                  c10::string_view activation, double negative_slope, bool training,
                                                  std::array<bool, 4> output_mask) {
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(has_tangent(src) || has_tangent(dst) || has_tangent(residual) || has_tangent(diff_dst) ||
-        has_tangent(mean) || has_tangent(variance) || has_tangent(gamma) || has_tangent(beta)),
-      "batch_norm_masked_act_backward has no forward-mode derivative");
-  NodePtr<BackwardRefusal> node;
-  if (torch::autograd::compute_requires_grad(src, dst, residual, diff_dst, mean, variance, gamma, beta)) {
-    node = make_node<BackwardRefusal>();
-    node->op = "batch_norm_masked_act_backward";
-    node->forward = "batch_norm_masked_act_forward (or the masked BatchNormAct modules)";
-    node->set_next_edges(
-        torch::autograd::collect_next_edges(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta));
-  }
-  auto outputs = [&] {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return masked_act_backward_op().call(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta, epsilon,
-                                         activation, negative_slope, training, output_mask);
-  }();
-  if (node) {
-    auto& [a, b, c, d] = outputs;
-    for (at::Tensor* out : {&a, &b, &c, &d}) {
-      if (out->defined()) torch::autograd::set_history(*out, node);
-    }
-  }
-  return outputs;
+  return call_refusing_derivatives(
+      "batch_norm_masked_act_backward", "batch_norm_masked_act_forward (or the masked BatchNormAct modules)",
+      [&] {
+        return masked_act_backward_op().call(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta,
+                                             epsilon, activation, negative_slope, training, output_mask);
+      },
+      src, mask, dst, residual, diff_dst, mean, variance, gamma, beta);
 }
 
 }  // namespace
