@@ -63,17 +63,21 @@ class Net(nn.Module):
         return self.fc2(self.relu_head(self.bn_head(self.fc1(x))))
 
 
-def _randomize_batchnorms(model: nn.Module, generator: torch.Generator) -> None:
-    """Non-trivial affine parameters and running statistics in every BatchNorm."""
+def randomize_batchnorms(model: nn.Module, generator: torch.Generator) -> nn.Module:
+    """Non-trivial affine parameters and running statistics in every BatchNorm
+    (those it has); returns the model."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 n = m.num_features
-                m.weight.copy_(torch.rand(n, generator=generator) + 0.5)
-                m.bias.copy_(torch.randn(n, generator=generator) * 0.2)
-                m.running_mean.copy_(torch.randn(n, generator=generator) * 0.1)
-                m.running_var.copy_(torch.rand(n, generator=generator) + 0.5)
-                m.num_batches_tracked.fill_(3)
+                if m.weight is not None:
+                    m.weight.copy_(torch.rand(n, generator=generator) + 0.5)
+                    m.bias.copy_(torch.randn(n, generator=generator) * 0.2)
+                if m.running_mean is not None:
+                    m.running_mean.copy_(torch.randn(n, generator=generator) * 0.1)
+                    m.running_var.copy_(torch.rand(n, generator=generator) + 0.5)
+                    m.num_batches_tracked.fill_(3)
+    return model
 
 
 def twins(momentum: Optional[float] = 0.1, train: bool = False) -> tuple[nn.Module, nn.Module]:
@@ -81,7 +85,7 @@ def twins(momentum: Optional[float] = 0.1, train: bool = False) -> tuple[nn.Modu
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     reference = Net(momentum)
-    _randomize_batchnorms(reference, generator)
+    randomize_batchnorms(reference, generator)
     reference.train(train)
     ours = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference))
     return reference, ours

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from interop_models import Net, _randomize_batchnorms, example_input
+from interop_models import Net, randomize_batchnorms, example_input
 
 # The low-precision dtypes autocast offers on each device.
 AMP_DTYPES = {"cpu": (torch.bfloat16, torch.float16), "cuda": (torch.float16, torch.bfloat16)}
@@ -22,7 +22,7 @@ AMP_DTYPES = {"cpu": (torch.bfloat16, torch.float16), "cuda": (torch.float16, to
 def _model(device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Net()
-    _randomize_batchnorms(model, torch.Generator().manual_seed(1))
+    randomize_batchnorms(model, torch.Generator().manual_seed(1))
     return model.to(device)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 import torch_bn_grad
+from interop_models import randomize_batchnorms
 from masked_reference import padded_batch
 from onnx_runs import EXPORTERS, assert_close_relative, assert_standard_ops, export, ops, run
 
@@ -69,16 +70,7 @@ class FunctionalMasked(nn.Module):
 
 
 def _randomized(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                n = m.num_features
-                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(n, generator=g) * 0.2)
-                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
-                m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
-    return model
+    return randomize_batchnorms(model, torch.Generator().manual_seed(0))
 
 
 MODELS = {
