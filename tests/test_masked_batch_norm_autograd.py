@@ -55,12 +55,34 @@ def test_gradcheck_and_gradgradcheck(device, layout, training):
     assert torch.autograd.gradgradcheck(fn, inputs)  # random (non-uniform) upstream gradients
 
 
-def test_forward_mode_raises():
-    x, mask, weight, bias = small_inputs("contiguous")
-    with torch.autograd.forward_ad.dual_level():
-        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
-        with pytest.raises(RuntimeError, match="forward-mode AD"):
-            FORWARD(dual, mask, weight, bias, None, None, 1e-3)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "2d"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "frozen"])
+def test_forward_mode_matches_finite_differences(device, layout, training):
+    x, mask, weight, bias = (t.to(device) for t in small_inputs(layout))
+    x = torch.where(mask.unsqueeze(1) if x.dim() > 2 else mask[:, None], x, 0.0)  # gradcheck perturbs padding
+    mean = torch.randn(3, dtype=torch.float64).to(device)
+    var = (torch.rand(3, dtype=torch.float64) + 0.5).to(device)
+    inputs = [t.requires_grad_() for t in (x, weight, bias, mean, var)]
+
+    def fn(x, w, b, m, v):
+        dst, mean_used, var_used, _ = FORWARD(x, mask, w, b, None if training else m, None if training else v, 1e-3)
+        return dst, mean_used, var_used
+
+    assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True, check_backward_ad=False,
+                                    check_undefined_grad=False, check_batched_grad=False)
+
+
+def test_forward_mode_ignores_the_padding_and_a_batch_without_valid_positions():
+    x, mask, weight, bias = small_inputs("contiguous")  # NaN at padded positions
+    tangent = torch.where(mask.unsqueeze(1), torch.randn_like(x), float("nan"))
+    dst, (t_dst, t_mean, t_var) = torch.func.jvp(
+        lambda x: FORWARD(x, mask, weight, bias, None, None, 1e-3)[:3], (x,), (tangent,))
+    assert torch.isfinite(t_dst).all() and (t_dst[~mask.unsqueeze(1).expand_as(x)] == 0).all()
+    assert torch.isfinite(t_mean).all() and torch.isfinite(t_var).all()
+    none = torch.zeros_like(mask)
+    _, (t_dst, t_mean, t_var) = torch.func.jvp(
+        lambda x: FORWARD(x, none, weight, bias, None, None, 1e-3)[:3], (x,), (tangent,))
+    assert (t_dst == 0).all() and (t_mean == 0).all() and (t_var == 0).all()
 
 
 def test_third_order_through_the_double_backward():

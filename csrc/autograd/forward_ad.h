@@ -37,6 +37,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
     const std::optional<at::Tensor>& beta_t, const std::optional<at::Tensor>& mean_t,
     const std::optional<at::Tensor>& variance_t);
 
+// The same for batch_norm_masked_forward (NCX data): over the valid positions,
+// `valid` the mask broadcast against src, `count` their number per channel (a
+// 0-dim tensor); t_dst is 0 at padded positions, whose values are never read.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_batch_norm_forward_jvp(
+    const at::Tensor& src, const at::Tensor& valid, const at::Tensor& count, const std::optional<at::Tensor>& gamma,
+    const at::Tensor& mean_used, const at::Tensor& variance_used, bool training, double epsilon,
+    const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,
+    const std::optional<at::Tensor>& beta_t, const std::optional<at::Tensor>& mean_t,
+    const std::optional<at::Tensor>& variance_t);
+
 // Sets `output`'s forward-mode gradient to `tangent` (nothing when undefined).
 void set_tangent(const at::Tensor& output, const at::Tensor& tangent);
 

@@ -8,7 +8,9 @@
 // fused forward's gradient is the fused backward operator (its gate, then the
 // same sums); under double backward its gate is times_act_grad's (act_grad.h)
 // in differentiable ops, then the masked backward operator.
-// Forward-mode AD is not provided: a tangent raises.
+// Forward-mode AD: masked_batch_norm_forward_jvp (forward_ad.h), and the
+// fused operator's gate on it; a backward that follows a forward with
+// tangents (forward over reverse) is not provided.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -161,18 +163,41 @@ struct MaskedForwardNode : public torch::autograd::Node {
   static at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 };
 
+// Forward-mode AD of both forward operators: the masked batch norm's tangents
+// over the valid positions (forward_ad.h), then for the fused one
+// t_dst = act'(z) * (t_batch_norm + t_residual) at valid positions, 0 at padded ones.
+void set_masked_forward_tangents(const Outputs4& outputs, const at::Tensor& src, const at::Tensor& mask,
+                                 const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
+                                 const OptionalTensor& variance, const OptionalTensor* residual,
+                                 const ActArgs& args) {
+  const auto& [dst, mean_used, variance_used, count] = outputs;
+  const at::Tensor valid = mask.unsqueeze(1);
+  auto [t_dst, t_mean, t_variance] = masked_batch_norm_forward_jvp(
+      src, valid, count, gamma, mean_used, variance_used, !given(mean), args.epsilon, tangent_of(src),
+      tangent_of(gamma), tangent_of(beta), tangent_of(mean), tangent_of(variance));
+  if (residual) {
+    if (has_tangent(*residual)) t_dst = plus(t_dst, at::where(valid, tangent_of(*residual), 0));
+    if (t_dst.defined()) {
+      t_dst = at::where(valid, times_act_grad(t_dst, args, primal_of(src), dst, primal_of(*residual), mean_used,
+                                              variance_used, primal_of(gamma), primal_of(beta)), 0);
+    }
+  }
+  set_tangent(dst, t_dst);
+  set_tangent(mean_used, t_mean);
+  set_tangent(variance_used, t_variance);
+}
+
 // The autograd formula of both forward operators: `call()` runs the operator
 // below autograd; `residual` (an edge) and the activation only for the fused one.
 template <class Call>
-Outputs4 masked_forward_autograd(const char* op, const at::Tensor& src, const at::Tensor& mask,
+Outputs4 masked_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
                                  const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
                                  const OptionalTensor& variance, const OptionalTensor* residual, double epsilon,
                                  c10::string_view activation, double slope, const Call& call) {
   const OptionalTensor no_residual;
   const OptionalTensor& r = residual ? *residual : no_residual;
-  TORCH_CHECK(!(has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) ||
-                has_tangent(variance) || has_tangent(r)),
-              op, ": forward-mode AD is not implemented for the masked batch norm");
+  const bool forward_ad = has_tangent(src) || has_tangent(gamma) || has_tangent(beta) || has_tangent(mean) ||
+                          has_tangent(variance) || has_tangent(r);
   NodePtr<MaskedForwardNode> node;
   if (torch::autograd::compute_requires_grad(src, gamma, beta, mean, variance, r)) {
     node = make_node<MaskedForwardNode>();
@@ -183,6 +208,10 @@ Outputs4 masked_forward_autograd(const char* op, const at::Tensor& src, const at
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call();
   }();
+  if (forward_ad) {
+    set_masked_forward_tangents(outputs, src, mask, gamma, beta, mean, variance, residual ? &r : nullptr,
+                                {activation, slope, epsilon, "NCX"});
+  }
   if (node) {
     auto& [dst, mean_used, variance_used, count] = outputs;
     torch::autograd::set_history(dst, node);
@@ -221,7 +250,7 @@ Outputs4 batch_norm_masked_forward_autograd(const at::Tensor& src, const at::Ten
                                             const OptionalTensor& gamma, const OptionalTensor& beta,
                                             const OptionalTensor& mean, const OptionalTensor& variance,
                                             double epsilon) {
-  return masked_forward_autograd("batch_norm_masked_forward", src, mask, gamma, beta, mean, variance, nullptr,
+  return masked_forward_autograd(src, mask, gamma, beta, mean, variance, nullptr,
                                  epsilon, "identity", 0.0, [&] {
                                    return masked_forward_op().call(src, mask, gamma, beta, mean, variance, epsilon);
                                  });
@@ -232,7 +261,7 @@ Outputs4 batch_norm_masked_act_forward_autograd(const at::Tensor& src, const at:
                                                 const OptionalTensor& mean, const OptionalTensor& variance,
                                                 const OptionalTensor& residual, double epsilon,
                                                 c10::string_view activation, double negative_slope) {
-  return masked_forward_autograd("batch_norm_masked_act_forward", src, mask, gamma, beta, mean, variance, &residual,
+  return masked_forward_autograd(src, mask, gamma, beta, mean, variance, &residual,
                                  epsilon, activation, negative_slope, [&] {
                                    return masked_act_forward_op().call(src, mask, gamma, beta, mean, variance,
                                                                        residual, epsilon, activation, negative_slope);
