@@ -5,12 +5,16 @@ on the same four utterances padded to two lengths.
 torch's BatchNorm1d counts the padding in its statistics, so an utterance's
 output (and the running statistics) depend on how much padding its batch
 carries. The masked BatchNorm1d of torch_bn_grad takes the frames' mask and
-normalizes over the valid frames only: the outputs do not depend on it.
+normalizes over the valid frames only: the outputs do not depend on it;
+BatchNormAct1d(activation="silu") does the same with the SiLU in the same
+operator.
 
     python examples/masked.py
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -31,11 +35,13 @@ class ConvModule(torch.nn.Module):
         valid = mask.unsqueeze(1)
         x = torch.nn.functional.glu(self.pointwise_in(x), dim=1)
         x = self.depthwise(x.masked_fill(~valid, 0.0))  # padding must not leak into the valid frames
-        if isinstance(self.norm, torch_bn_grad.nn.BatchNorm1d):
-            x = self.norm(x, mask)
+        if isinstance(self.norm, torch_bn_grad.nn.BatchNormAct1d):  # masked batch norm and SiLU in one operator
+            x = self.norm(x, mask=mask)
+        elif isinstance(self.norm, torch_bn_grad.nn.BatchNorm1d):
+            x = torch.nn.functional.silu(self.norm(x, mask))
         else:
-            x = self.norm(x)
-        x = self.pointwise_out(torch.nn.functional.silu(x))
+            x = torch.nn.functional.silu(self.norm(x))
+        x = self.pointwise_out(x)
         return x.masked_fill(~valid, 0.0)
 
 
@@ -55,8 +61,10 @@ def main() -> None:
     # The same four utterances, padded to the longest (160 frames) or to a bucket of 400.
     batches = [padded(utterances, 160), padded(utterances, 400)]
 
+    fused = functools.partial(torch_bn_grad.nn.BatchNormAct1d, activation="silu")
     for name, norm in (("torch.nn.BatchNorm1d", torch.nn.BatchNorm1d),
-                       ("torch_bn_grad.nn.BatchNorm1d + mask", torch_bn_grad.nn.BatchNorm1d)):
+                       ("torch_bn_grad.nn.BatchNorm1d + mask", torch_bn_grad.nn.BatchNorm1d),
+                       ("torch_bn_grad.nn.BatchNormAct1d + mask", fused)):
         outputs, running_vars = [], []
         for x, mask in batches:
             torch.manual_seed(1)  # the same weights for both paddings
@@ -65,7 +73,7 @@ def main() -> None:
             running_vars.append(block.norm.running_var)
         out_diff = (outputs[0] - outputs[1]).abs().max().item()
         var_diff = (running_vars[0] - running_vars[1]).abs().max().item()
-        print(f"{name:36s} padded to 160 vs 400 frames: max |output difference| = {out_diff:.3g}, "
+        print(f"{name:39s} padded to 160 vs 400 frames: max |output difference| = {out_diff:.3g}, "
               f"max |running_var difference| = {var_diff:.3g}")
 
 
