@@ -44,6 +44,21 @@ namespace {
 // Elements a task of the elementwise pass takes at least.
 constexpr int64_t kGrainElements = 32768;
 
+// Coefficient array `p`'s vector for part q of the chunk at i: channel c's
+// value in every lane (planes form), or lane by lane from c + i on (rows form).
+template <typename V, bool kPerLane, int64_t kWidth, typename A>
+C10_ALWAYS_INLINE V coefficient(const A* p, int64_t c, int64_t i, int q) {
+  return kPerLane ? V::loadu(p + c + i + q * kWidth) : V(p[c]);
+}
+
+// The batch norm's value, x_scale * (x - mean) + bias, of part q of the chunk at i.
+template <typename V, bool kPerLane, int64_t kWidth, typename A>
+C10_ALWAYS_INLINE V normalized(const V& x, const math::AffineArrays<A>& a, int64_t c, int64_t i, int q) {
+  return at::vec::fmadd(x - coefficient<V, kPerLane, kWidth>(a.mean, c, i, q),
+                        coefficient<V, kPerLane, kWidth>(a.x_scale, c, i, q),
+                        coefficient<V, kPerLane, kWidth>(a.bias, c, i, q));
+}
+
 // The elementwise pass over n values of one channel (planes form) or over a
 // row's channels (rows form: coefficient arrays of kChunk-padded length):
 // with dy, the backward's; without, the forward's, then `+ residual` where
@@ -61,15 +76,8 @@ struct AffinePass {
     I::load_lanes(x + i, n, xv);
     if constexpr (kDy) I::load_lanes(g + i, n, gv);
     for (int q = 0; q < I::kParts; ++q) {
-      const int64_t at = kPerLane ? c + i + q * I::kWidth : c;
-      const V mean = kPerLane ? V::loadu(a.mean + at) : V(a.mean[at]);
-      const V xs = kPerLane ? V::loadu(a.x_scale + at) : V(a.x_scale[at]);
-      const V bias = kPerLane ? V::loadu(a.bias + at) : V(a.bias[at]);
-      r[q] = at::vec::fmadd(xv[q] - mean, xs, bias);
-      if constexpr (kDy) {
-        const V ds = kPerLane ? V::loadu(a.dy_scale + at) : V(a.dy_scale[at]);
-        r[q] = at::vec::fmadd(gv[q], ds, r[q]);
-      }
+      r[q] = normalized<V, kPerLane, I::kWidth>(xv[q], a, c, i, q);
+      if constexpr (kDy) r[q] = at::vec::fmadd(gv[q], coefficient<V, kPerLane, I::kWidth>(a.dy_scale, c, i, q), r[q]);
     }
     if constexpr (!kDy) {
       if (res) {
@@ -116,11 +124,7 @@ struct GatePass {
       I::load_lanes(x + i, n, xv);
       if (res) I::load_lanes(res + i, n, rv);
       for (int q = 0; q < I::kParts; ++q) {
-        const int64_t at = kPerLane ? c + i + q * I::kWidth : c;
-        const V mean = kPerLane ? V::loadu(a.mean + at) : V(a.mean[at]);
-        const V xs = kPerLane ? V::loadu(a.x_scale + at) : V(a.x_scale[at]);
-        const V bias = kPerLane ? V::loadu(a.bias + at) : V(a.bias[at]);
-        V z = at::vec::fmadd(xv[q] - mean, xs, bias);
+        V z = normalized<V, kPerLane, I::kWidth>(xv[q], a, c, i, q);
         if (res) z = z + rv[q];
         d[q] = gv[q] * Act::template grad<VecOps>(z, V(slope));
       }
