@@ -103,7 +103,8 @@ def test_every_operator_has_an_autograd_kernel():
     names = ["batch_norm_forward", "batch_norm_backward", "batch_norm_local_stats", "batch_norm_grad_sums",
              "batch_norm_grad_input", "batch_norm_update_running_stats", "batch_norm_act_forward",
              "batch_norm_act_forward_sign_bits", "batch_norm_act_backward", "batch_norm_stats_affine",
-             "batch_norm_masked_forward", "batch_norm_masked_backward"]
+             "batch_norm_masked_forward", "batch_norm_masked_backward", "batch_norm_masked_act_forward",
+             "batch_norm_masked_act_backward"]
     schemas = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("torch_bn_grad::")}
     # The forward operator's derivatives are made of differentiable operators (CompositeImplicitAutograd).
     composite = {"batch_norm_forward_grad", "batch_norm_forward_jvp"}
