@@ -91,6 +91,22 @@ def test_float32_equals_the_composed_form_bitwise(activation, shape, layout):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_two_dim_input_with_a_mask_per_sample(activation, dtype):
+    g = torch.Generator().manual_seed(21)
+    x, r, dy = (torch.randn(9, 37, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    mask = torch.tensor([True, False, True, True, False, True, True, False, True])
+    weight, bias = parameters(37, dtype)
+    got = fused_step(x, mask, r, weight, bias, dy, activation)
+    double = lambda t: t.detach().double()  # noqa: E731
+    want = composed_step(double(x), mask, double(r), double(weight), double(bias), double(dy), activation,
+                         forward=gathered_forward)
+    for a, b in zip(got, want):
+        close(a, b, dtype, scale=8.0)
+    assert (got[0][~mask] == 0).all() and (got[3][~mask] == 0).all() and (got[6][~mask] == 0).all()
+
+
 @pytest.mark.parametrize("pad_value", [float("nan"), float("inf"), 1e30])
 def test_padding_content_of_input_and_residual_changes_nothing(pad_value):
     x, mask, r, weight, bias, dy = inputs((4, 6, 37), "contiguous", torch.float32, seed=5)
