@@ -5,7 +5,7 @@ small layers where the host, not the GPU, bounds a call.
     python benchmarks/host_cost.py [--calls 100] [--json FILE] [--trace DIR]
                                    [--shapes 32x512x7x7 ...] [--dtypes float32,bfloat16]
 
-The cases are the op benchmark's (``benchmarks/ops.py``: forward, backward,
+The cases are the op benchmark's (``torch_bn_grad/bench/ops.py``: forward, backward,
 module forward+backward). Host time is the wall time of ``--calls`` calls in a
 row with no synchronization, divided by the count: the launches of so few calls
 never fill the device's queue, so the loop runs at the host's pace. Launches,
@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.ops import DTYPES, LAYOUTS, _parse_shape, make_case  # noqa: E402
+from torch_bn_grad.bench.ops import DTYPES, LAYOUTS, make_case, parse_shape  # noqa: E402
 
 SHAPES = [(8, 64, 8, 8), (32, 512, 7, 7), (32, 256, 14, 14), (256, 512)]
 DIRECTIONS = ("forward", "backward", "module")
@@ -78,7 +78,7 @@ def profiled(fn, trace: str = "") -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100)
-    parser.add_argument("--shapes", nargs="*", type=_parse_shape, default=None)
+    parser.add_argument("--shapes", nargs="*", type=parse_shape, default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--directions", default=",".join(DIRECTIONS))

@@ -44,9 +44,10 @@ import torch_bn_grad
 
 if __package__ in (None, ""):  # run as a script: the source tree's `benchmarks` package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import resnets, step_breakdown
-from benchmarks.models import add_input_arguments, raise_recompile_limits, under_autocast
+from benchmarks import step_breakdown
 from torch_bn_grad import _compat
+from torch_bn_grad.bench import resnets
+from torch_bn_grad.bench.models import add_input_arguments, raise_recompile_limits, under_autocast
 
 
 def main() -> None:

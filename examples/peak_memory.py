@@ -7,7 +7,7 @@ above what it held before the first step.
 
 * ``--model example`` (default): the example model (examples/common.py); torch's
   BatchNorm, ours, ours with the output cache off.
-* ``--model resnet18|resnet50``: the project's ResNet (benchmarks/resnets.py)
+* ``--model resnet18|resnet50``: the project's ResNet (torch_bn_grad/bench/resnets.py)
   with LeakyReLU(0.01) activations, so that the memory-saving mode applies;
   torch's BatchNorm, ours, ours fused (``convert_batchnorm(fuse=True)``) and
   ours fused with ``memory_saving=True`` (the fused modules keep their output
@@ -60,9 +60,7 @@ def measure(model_name: str, variant: str, batch: int, size: int, steps: int) ->
         if variant != "torch BatchNorm":
             model = torch_bn_grad.convert_batchnorm(model)
     else:
-        from torch_bn_grad import bench
-
-        _models = bench.load("resnets")
+        from torch_bn_grad.bench import resnets as _models
 
         model = _models.MODELS[model_name](8, negative_slope=NEGATIVE_SLOPE).to(memory_format=torch.channels_last)
         options = RESNET_VARIANTS[variant][1]

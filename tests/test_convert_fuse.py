@@ -18,10 +18,8 @@ from torch import fx, nn
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from torch_bn_grad import bench as entry
 from torch_bn_grad import nn as bn_nn
-
-_models = entry.load("resnets")
+from torch_bn_grad.bench import resnets as _models
 
 try:
     import timm

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 import torch_bn_grad
-from torch_bn_grad import bench as entry
-
-_model_bench, _models = entry.load("models"), entry.load("resnets")
+from torch_bn_grad.bench import models as _model_bench
+from torch_bn_grad.bench import resnets as _models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _fused_bench():
-    spec = importlib.util.spec_from_file_location("fused_bench", os.path.join(ROOT, "benchmarks", "fused.py"))
+def _checkout_benchmark(name: str):
+    """The checkout's ``benchmarks/<name>.py`` (not part of the installed package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,7 +31,7 @@ def _fused_bench():
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_op_bench_variants_agree(layout, residual):
-    bench = _fused_bench()
+    bench = _checkout_benchmark("fused")
     steps = bench.make_steps((4, 3, 5, 5), torch.float32, layout, residual)
     results = {name: step() for name, step in steps.items()}
     for name in ("ours", "fused"):
@@ -93,7 +93,7 @@ def test_profile_model_by_shape_pairs_every_layer_shape():
 def test_step_breakdown_kinds_and_bound():
     """``benchmarks/step_breakdown.py``: each profiler event gets its kind, and
     Amdahl's bound is the step over what is left without the replaced kinds."""
-    sb = entry.load("step_breakdown")
+    sb = _checkout_benchmark("step_breakdown")
 
     assert sb.kind_of("aten::native_batch_norm_backward") == "batch norm"
     assert sb.kind_of("torch_bn_grad::batch_norm_act_forward_sign_bits") == "batch norm"

@@ -1,8 +1,9 @@
-"""Smoke tests of the benchmarks (``benchmarks/``, run by ``python -m torch_bn_grad.bench``): the model
-benchmark (``--model``) and the op bench's plot, tiny sizes; the entry's error without a source tree."""
+"""Smoke tests of the benchmarks (``torch_bn_grad/bench/``, run by ``python -m torch_bn_grad.bench``): the model
+benchmark (``--model``), the op bench's plot and ``--processes``, tiny sizes; the checkout's allocator benchmark."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -16,9 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torch_bn_grad import bench as entry
+from torch_bn_grad.bench import models as _model_bench
+from torch_bn_grad.bench import ops as bench
+from torch_bn_grad.bench import processes
+from torch_bn_grad.bench import resnets as _models
 
-bench, _model_bench, _models = entry.load("ops"), entry.load("models"), entry.load("resnets")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", sorted(_models.MODELS))
@@ -74,16 +78,12 @@ def test_model_bench_plot_writes_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_entry_without_source_tree_says_so(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(entry, "SOURCE_ROOT", tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        entry.main(["--help"])
-    assert "installed without it" in str(exit_info.value) and "pip install --no-build-isolation -e ." in str(
-        exit_info.value)
-
-
 def test_allocator_bench_environment_and_parse(monkeypatch):
-    allocators = entry.load("allocators")
+    # The checkout's benchmarks/allocators.py (it runs examples/speed.py: not part of the package).
+    spec = importlib.util.spec_from_file_location("benchmark_allocators", ROOT / "benchmarks" / "allocators.py")
+    allocators = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, allocators)  # its dataclasses look their module up
+    spec.loader.exec_module(allocators)
     monkeypatch.setenv("LD_PRELOAD", "/somewhere/libother.so")
     monkeypatch.setenv("TORCH_BN_GRAD_OUTPUT_CACHE_MB", "64")
     env = allocators.environment("jemalloc", "off")
@@ -111,7 +111,6 @@ def _row(shape, dtype, speedup, native_ms=1.0):
 
 
 def test_processes_merge_takes_medians_and_ranges():
-    processes = entry.load("processes")
     tables = [[_row((8, 4), "float32", 0.8), _row((8, 4), "float16", 2.0)],
               [_row((8, 4), "float16", 1.0), _row((8, 4), "float32", 1.2, native_ms=3.0)],
               [_row((8, 4), "float32", 1.1), _row((8, 4), "float16", 3.0)]]
@@ -134,7 +133,6 @@ def _model_row(mode, speedup, fused=None):
 
 
 def test_processes_merge_model_rows_keeps_untimed_variants_none():
-    processes = entry.load("processes")
     tables = [[_model_row("train", 0.9, 1.2), _model_row("eval", 1.0)],
               [_model_row("eval", 1.4), _model_row("train", 1.1, 1.0)],
               [_model_row("train", 1.0, 1.1), _model_row("eval", 1.2)]]
@@ -231,13 +229,9 @@ def test_model_bench_times_a_timm_model_with_its_fused_variant():
 
 
 def test_processes_check_they_import_the_parents_package(monkeypatch, tmp_path):
-    processes = entry.load("processes")
     import torch_bn_grad
 
-    monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv(processes.PACKAGE_ROOT_ENV, str(tmp_path))
-    processes.use_parents_package()
-    assert sys.path[0] == str(tmp_path)
     with pytest.raises(RuntimeError, match="imported torch_bn_grad from"):
         processes.check_package(torch_bn_grad)
     monkeypatch.setenv(processes.PACKAGE_ROOT_ENV, str(processes.package_root(torch_bn_grad)))
@@ -245,14 +239,13 @@ def test_processes_check_they_import_the_parents_package(monkeypatch, tmp_path):
 
 
 def test_processes_of_a_package_outside_the_source_tree_time_that_package(tmp_path):
-    # The A/B set-up: a copy of the package (an old build) with the source tree's benchmarks beside it,
-    # imported through PYTHONPATH. Run as scripts, the processes would put the source tree's package first;
-    # each checks that it imported the copy (processes.check_package) or fails.
+    # The A/B set-up: a copy of the package (an old build), imported through PYTHONPATH from a folder that
+    # is not the source tree. Each process puts its parent's package first on sys.path and checks that it
+    # imported the copy (processes.check_package) or fails.
     import torch_bn_grad
 
     package = Path(torch_bn_grad.__file__).resolve().parent
     shutil.copytree(package, tmp_path / "torch_bn_grad", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "benchmarks").symlink_to(package.parent / "benchmarks")
     mark = tmp_path / "imports.txt"  # a line per process that imported the copy
     with open(tmp_path / "torch_bn_grad" / "__init__.py", "a") as f:
         f.write(f"\nopen({str(mark)!r}, 'a').write('imported\\n')\n")

@@ -18,7 +18,7 @@ also times ours converted with ``convert_batchnorm(fuse=True)`` (BatchNorm +
 activation, and + residual add, fused) as a further variant in the same rounds.
 With ``--processes N`` the cases run in N fresh processes, one after the
 other, and each row gives the medians over them and the range of each ratio
-(``benchmarks/processes.py``).
+(``processes.py``).
 """
 
 from __future__ import annotations
@@ -28,17 +28,16 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 import torch_bn_grad
-from benchmarks import processes as _processes
-from benchmarks import resnets as _resnets
-from benchmarks import speedup_plot as _plot
-from benchmarks import timm_models as _timm_models
 from torch_bn_grad import _compat, config
+from torch_bn_grad.bench import processes as _processes
+from torch_bn_grad.bench import resnets as _resnets
+from torch_bn_grad.bench import speedup_plot as _plot
+from torch_bn_grad.bench import timm_models as _timm_models
 
 # The models --model takes: the project's ResNets, and timm's (built only when named).
 MODELS = {**_resnets.MODELS, **_timm_models.MODELS}
@@ -353,9 +352,8 @@ def process_argv(args) -> list[str]:
     return argv
 
 
-def main(args, script: Path) -> None:
-    """Run the model benchmark for parsed ``args`` (see :func:`add_arguments`);
-    `script` is the entry point that the processes of ``--processes`` run."""
+def main(args) -> None:
+    """Run the model benchmark for parsed ``args`` (see :func:`add_arguments`)."""
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     processes = f", median of {args.processes} processes" if args.processes > 1 else ""
     print(f"torch {torch.__version__}, {where}, {args.model}, batch {args.batch_size}, "
@@ -363,7 +361,7 @@ def main(args, script: Path) -> None:
           f"{processes}, compile_lowering={config.compile_lowering}"
           f"{f', autocast {args.autocast}' if args.autocast else ''}")
     if args.processes > 1:
-        tables = _processes.run(script, process_argv(args), args.processes)
+        tables = _processes.run(process_argv(args), args.processes)
         results = [ModelResult(**row) for row in _processes.merge(tables, _processes.MODELS)]
         print(table_header(args.opaque, args.fuse, spread=True))
         for r in results:

@@ -1,5 +1,5 @@
 """ResNet-18 and ResNet-50 (He et al., 2015) with torch's BatchNorm2d, for the
-model benchmark (``benchmarks/models.py``, ``python -m torch_bn_grad.bench --model``), so that it needs
+model benchmark (``models.py``, ``python -m torch_bn_grad.bench --model``), so that it needs
 no torchvision. Same layer structure as the usual ImageNet ResNets:
 a 7x7 stride-2 stem with max pooling, four stages of basic (ResNet-18) or
 bottleneck (ResNet-50) residual blocks, global average pooling, a linear head.

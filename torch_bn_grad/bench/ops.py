@@ -1,6 +1,6 @@
 """Benchmark: torch_bn_grad against torch's native batch norm, side by side.
 
-    python -m torch_bn_grad.bench (or, in a checkout, python benchmarks/ops.py) [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
+    python -m torch_bn_grad.bench [--device cpu|cuda] [--full] [--threads N] [--json FILE] [--plot FILE.png]
                                   [--dtypes float32,bfloat16,float16] [--layouts contiguous,channels_last]
                                   [--directions forward,backward,module,eval] [--min-run-time S]
                                   [--shapes 32x64x56x56 ...] [--processes N]
@@ -11,7 +11,7 @@
 
 With ``--model`` it times a whole ResNet (train step and eval, eager and
 compiled) with this library's BatchNorm against torch's, see
-``benchmarks/models.py``.
+``torch_bn_grad/bench/models.py``.
 
 For each case it prints the median time of torch's native operator and of
 ours (torch.utils.benchmark, same process, interleaved), the speedup, the
@@ -22,7 +22,7 @@ eval, the forward with frozen statistics, on request: read src, write dst)
 divided by the copy bandwidth measured in the same run on tensors of the same
 size, on the same device. ``--processes N`` times the cases in N fresh
 processes and prints, per case, the medians over them and the range of the
-speedups (``benchmarks/processes.py``: a process's memory placement moves
+speedups (``torch_bn_grad/bench/processes.py``: a process's memory placement moves
 a case's time on a VM); ``--shapes`` times the given shapes.
 
 The baseline is ``aten.native_batch_norm`` / ``native_batch_norm_backward``
@@ -42,24 +42,18 @@ import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch.utils import benchmark
 
-if __package__ in (None, ""):  # run as a script: the source tree (torch_bn_grad, benchmarks/) first,
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks import processes as _processes  # noqa: E402
-
-    _processes.use_parents_package()  # but a process of --processes takes its parent's torch_bn_grad
-import torch_bn_grad  # noqa: E402
-from benchmarks import models as _model_bench  # noqa: E402
-from benchmarks import processes as _processes  # noqa: E402
+import torch_bn_grad
+from torch_bn_grad import _compat
+from torch_bn_grad.bench import models as _model_bench
+from torch_bn_grad.bench import processes as _processes
+from torch_bn_grad.bench import speedup_plot as _plot
 
 _processes.check_package(torch_bn_grad)
-from benchmarks import speedup_plot as _plot  # noqa: E402
-from torch_bn_grad import _compat  # noqa: E402
 
 RESNET50_SHAPES = [
     (32, 64, 112, 112), (32, 64, 56, 56), (32, 256, 56, 56), (32, 128, 28, 28), (32, 512, 28, 28),
@@ -255,7 +249,7 @@ def summary(results: list[Result]) -> str:
     return line + f"; worst: {worst.shape} {worst.dtype} {worst.layout} {worst.direction} {worst.speedup:.2f}x"
 
 
-def _parse_shape(text: str) -> tuple:
+def parse_shape(text: str) -> tuple:
     """`32x64x56x56` as (32, 64, 56, 56): rank 2 to 5."""
     try:
         shape = tuple(int(part) for part in text.lower().split("x"))
@@ -303,11 +297,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--directions", default=",".join(DIRECTIONS),
                         help=f"of {', '.join(ALL_DIRECTIONS)} (eval: frozen statistics); default {','.join(DIRECTIONS)}")
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
-    parser.add_argument("--shapes", nargs="+", type=_parse_shape, metavar="NxCx...",
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, metavar="NxCx...",
                         help="these shapes instead of the quick (or --full) set, e.g. 32x64x56x56 4096x1024")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="time the cases in N fresh processes, one after the other, and report per case the "
-                             "median over them and the range of the speedups (see benchmarks/processes.py); "
+                             "median over them and the range of the speedups (see torch_bn_grad/bench/processes.py); "
                              "with --model, the model table")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot the speedups (needs matplotlib)")
@@ -326,13 +320,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             parser.error("--shapes is an option of the operator table, not of --model")
         if args.threads:
             torch.set_num_threads(args.threads)
-        _model_bench.main(args, Path(__file__).resolve())
+        _model_bench.main(args)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_device(args.device))
     if args.processes > 1:
-        tables = _processes.run(Path(__file__).resolve(), _process_argv(args), args.processes)
+        tables = _processes.run(_process_argv(args), args.processes)
         results = [Result(**{**row, "shape": tuple(row["shape"])}) for row in _processes.merge(tables, _processes.OPS)]
         print(f"median of {args.processes} processes")
         print(table_header(spread=True))

@@ -2,12 +2,12 @@
 same cases timed in N fresh processes, one after the other, and per case the
 median over them.
 
-On the 2-vCPU VMs this project is measured on, where a process's memory
-lands moved one case's time by up to 2x from one process to the next (same
-build, same command, minutes apart), while repeated timings within one
-process agreed to a few percent. One process's table can so call a case
-slower, or faster, than it is; the median of a few processes is not swayed
-by one, and the range of their speedups shows how far to trust a row.
+On a VM, where a process's memory lands can move a case's time severalfold
+from one process to the next (same build, same command), while repeated
+timings within one process agree to a few percent (docs/performance.md). One
+process's table can so call a case slower, or faster, than it is; the median
+of a few processes is not swayed by one, and the range of their speedups
+shows how far to trust a row.
 """
 
 from __future__ import annotations
@@ -24,22 +24,20 @@ from types import ModuleType
 from typing import Callable
 
 # Where the parent's torch_bn_grad package lies (the folder holding it), for
-# its processes: run as scripts, they would import the source tree's instead
-# (ops.py puts it first), and an A/B of an old build against the checkout's
-# would time the checkout's in every process.
+# its processes to check they import it: an A/B of an old build against a
+# newer one on sys.path would otherwise time the wrong build in every process.
 PACKAGE_ROOT_ENV = "TORCH_BN_GRAD_BENCH_PACKAGE_ROOT"
+
+# What a process of :func:`run` runs: the entry point of the package in the
+# folder given first, which goes first on sys.path (before the working folder
+# and PYTHONPATH), then the benchmark's own arguments.
+_PROCESS_CODE = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                 "from torch_bn_grad.bench import ops; ops.main(sys.argv[1:])")
 
 
 def package_root(package: ModuleType) -> Path:
     """The folder that holds `package` (torch_bn_grad) as imported."""
     return Path(package.__file__).resolve().parents[1]
-
-
-def use_parents_package() -> None:
-    """In a process of :func:`run`: the parent's torch_bn_grad first on sys.path."""
-    root = os.environ.get(PACKAGE_ROOT_ENV)
-    if root:
-        sys.path.insert(0, root)
 
 
 def check_package(package: ModuleType) -> None:
@@ -74,18 +72,19 @@ MODELS = Table(key=("model", "mode", "layout", "execution"), medians=("native_ms
                speedups=("speedup", "opaque_speedup", "fused_speedup"))
 
 
-def run(script: Path, argv: list[str], processes: int, log: Callable[[str], object] = print) -> list[list[dict]]:
-    """The rows (as dicts) of `processes` runs of ``python script *argv``, each in
-    a fresh process writing its table to a JSON file (``ops.main`` checks the
-    count). Each process imports the torch_bn_grad this one did."""
+def run(argv: list[str], processes: int, log: Callable[[str], object] = print) -> list[list[dict]]:
+    """The rows (as dicts) of `processes` runs of ``python -m torch_bn_grad.bench
+    *argv``, each in a fresh process writing its table to a JSON file. Each
+    process imports the torch_bn_grad this one did."""
     import torch_bn_grad
 
-    env = dict(os.environ, **{PACKAGE_ROOT_ENV: str(package_root(torch_bn_grad))})
+    root = str(package_root(torch_bn_grad))
+    env = dict(os.environ, **{PACKAGE_ROOT_ENV: root})
     tables = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(processes):
             path = Path(tmp) / f"process{i}.json"
-            done = subprocess.run([sys.executable, str(script), *argv, "--json", str(path)],
+            done = subprocess.run([sys.executable, "-c", _PROCESS_CODE, root, *argv, "--json", str(path)],
                                   capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise RuntimeError(f"benchmark process {i + 1} of {processes} exited with {done.returncode}:\n"
