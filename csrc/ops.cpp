@@ -242,7 +242,7 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       "Tensor(b!)? running_var, Tensor? residual, float momentum, float epsilon, str activation, "
       "float negative_slope, str data_format) -> (Tensor dst, Tensor mean, Tensor variance, Tensor dst_positive)");
 
-  // Masked batch norm for padded batches (csrc/masked_batch_norm_args.h):
+  // Masked batch norm for padded batches (checks: csrc/args/batch_norm_args.h):
   // mask, bool of src's shape without dim 1 ((N,) for 2-D src), True where a
   // position is valid. The statistics and every sum run over valid positions
   // only; padded positions of dst and diff_src are exactly 0 and are never

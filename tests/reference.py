@@ -87,7 +87,7 @@ def reference_forward(x, gamma, beta, mean, var, eps, data_format):
 
 
 def reference_backward(x, dy, mean, var, gamma, eps, data_format, training):
-    """The contract's gradients (API.md, Notation) in float64, with the given statistics.
+    """The contract's gradients (docs/api.md, Notation) in float64, with the given statistics.
 
     Training mode is the full gradient through batch statistics (of which
     `mean`/`var` are the values); frozen mode treats them as constants.

@@ -1,4 +1,4 @@
-"""The DirectML broadcast form (API.md section 1): statistics of src's rank,
+"""The DirectML broadcast form (docs/api.md, Rules shared by every operator): statistics of src's rank,
 ranks 1 to 8, common and irregular patterns, forward and backward against the
 float64 reference."""
 

@@ -86,7 +86,7 @@ def test_cuda_matches_cpu(case, mode):
 def _persistent_limits(dtype: torch.dtype) -> tuple[int, int]:
     """The largest shapes that the persistent single-read variant takes
     (plan_persistent_plane / plan_persistent_columns in
-    csrc/cuda/batch_norm_kernels.cuh): elements per channel in the planes
+    csrc/cuda/launch_plan.cuh): elements per channel in the planes
     partition, rows of a channels-innermost tile in the columns partition."""
     planes = 4096 if dtype == torch.float64 else 8192
     rows = 512 if dtype in HALF_TYPES else 1024

@@ -1,5 +1,6 @@
-"""Every error of API.md sections 1-2: ValueError for shapes, ranks,
-data_format, epsilon and devices, TypeError for dtypes and dtype combinations.
+"""Every error of docs/api.md's rules and operators: ValueError for shapes,
+ranks, data_format, epsilon and devices, TypeError for dtypes and dtype
+combinations.
 Each message names the argument with its expected and actual values; the
 operator raises before running any ATen op (nothing allocated or written) and
 leaves its inputs as they were.
