@@ -61,7 +61,7 @@ import cpu_build  # noqa: E402  (this folder's build helpers, not installed)
 import cuda_build  # noqa: E402
 
 # C++20 is named, not left to torch.utils.cpp_extension: torch 2.13 defaults to it,
-# but earlier releases (2.11 on the H200 machine) pass -std=c++17 unless a -std is given.
+# but earlier releases (2.11) pass -std=c++17 unless a -std is given.
 CXX_STD = "-std=c++20"
 # torch's headers as system headers, as the compile check passes them: their
 # warnings (unknown pragmas) are not this project's, and -Wall stays on for ours.
@@ -75,8 +75,8 @@ KERNEL_COPY_FLAGS = {isa: cpu_build.flags(isa, CPU_ISAS) for isa in CPU_ISAS}
 
 KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
 # The heavy headers most of the other C++ sources include (Python.h first, as
-# Python asks), precompiled once for all of them with GCC: parsing them was
-# about 15 s of each source's compile. TORCH_BN_GRAD_PCH=0 compiles without.
+# Python asks), precompiled once for all of them with GCC: parsing them is a
+# large part of each source's compile. TORCH_BN_GRAD_PCH=0 compiles without.
 PRECOMPILED = "#include <Python.h>\n#include <ATen/ATen.h>\n#include <torch/library.h>\n"
 USE_PCH = os.environ.get("TORCH_BN_GRAD_PCH", "1") != "0"
 
@@ -208,7 +208,7 @@ def _extension():
             extra_compile_args={
                 "cxx": CXX_FLAGS + isa_defines + ["-DTORCH_BN_GRAD_WITH_CUDA"],
                 # --threads 0: each architecture's device code on its own CPU
-                # (one .cu for sm_80 and sm_90: 115 s instead of 185 s on 2 CPUs).
+                # (a .cu's sm_80 and sm_90 code compile in parallel).
                 "nvcc": [CXX_STD, "-O3", "-DTORCH_BN_GRAD_WITH_CUDA", "--threads", "0", *TORCH_HEADERS],
             },
             **kwargs,

@@ -1,6 +1,6 @@
 // batch_norm_update_running_stats: torch BatchNorm's running-statistics update
-// as one operator call, for eager training steps (Python tensor arithmetic
-// costs about 10 us a step on small layers; this is one call).
+// as one operator call, for eager training steps (Python tensor arithmetic is
+// a dozen small operators, a large share of a small layer's step).
 //
 //   running_mean <- lerp(running_mean, mean, momentum)
 //   running_var  <- lerp(running_var, variance * count / (count - 1), momentum)

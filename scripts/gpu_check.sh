@@ -35,7 +35,7 @@ mkdir -p "$OUT"
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build gpu-tests bench other-tests)
 export PYTHONUNBUFFERED=1  # logs stay complete up to the moment a time limit stops the run
-# The interpreter that holds torch: $PYTHON, else python, else python3 (the H200
+# The interpreter that holds torch: $PYTHON, else python, else python3 (some
 # machines have only python3). Not a symlink: a venv's python finds its
 # packages through the path it was started by.
 PY="${PYTHON:-$(command -v python || command -v python3)}"

@@ -1,4 +1,6 @@
-"""Every repository path that a comment, a docstring or a document names exists.
+"""Every repository path that a comment, a docstring or a document names exists;
+and code comments hold no timings and no machine names (figures belong in
+docs/performance.md, with the machine they were measured on).
 
 Read: the comments and docstrings of the Python sources, the comments of the
 C++/CUDA sources and shell scripts, and the whole of every Markdown file, all
@@ -69,7 +71,7 @@ def _python_text(source: str) -> list[tuple[int, str]]:
     return pieces
 
 
-def _commented_text(name: str, source: str) -> list[tuple[int, str]]:
+def commented_text(name: str, source: str) -> list[tuple[int, str]]:
     """What of `name` is prose: comments and docstrings, or the whole document."""
     if name.endswith(".py"):
         return _python_text(source)
@@ -90,7 +92,7 @@ def _exists(path: str) -> bool:
 
 
 def _spellings(token: str) -> list[str]:
-    """``a/b.h/.cpp`` as ``a/b.h`` and ``a/b.cpp``; any other token as itself."""
+    """``cpu/environment.h/.cpp`` as ``cpu/environment.h`` and ``.cpp``; any other token as itself."""
     pair = re.fullmatch(r"(.*?)((?:/\.[a-z]+)+)", token)
     if not pair:
         return [token]
@@ -122,7 +124,7 @@ def missing_paths() -> list[str]:
         if not (name.endswith(tuple(f".{s}" for s in SUFFIXES)) or name == ".ci/run"):
             continue
         folder = posixpath.dirname(name)
-        for first_line, text in _commented_text(name, (ROOT / name).read_text(encoding="utf-8")):
+        for first_line, text in commented_text(name, (ROOT / name).read_text(encoding="utf-8")):
             for offset, line in enumerate(text.splitlines()):
                 if line.lstrip().startswith("#include <"):
                     continue
@@ -152,3 +154,23 @@ def test_the_scan_finds_a_stale_path_and_takes_real_ones(tmp_path):
     assert _spellings("cpu/environment.h/.cpp") == ["cpu/environment.h", "cpu/environment.cpp"]
     assert [p for _, text in _python_text('"""Doc: a.py."""\nx = "b.py"  # c.py\n') for p in _TOKEN.findall(text)] \
         == ["c.py", "a.py"]
+
+
+# A time in microseconds or nanoseconds, or a machine of the project's, in a code comment.
+_TIMING_OR_MACHINE = re.compile(r"\b\d+(?:\.\d+)?\s?(?:us|µs|ns)\b|\b(?:this|that|the \w+) machine\b|\bused to be\b")
+CODE_FOLDERS = ("csrc", "torch_bn_grad", "tests", "benchmarks", "scripts")
+
+
+def test_no_timings_or_machine_names_in_code_comments():
+    found = []
+    for name in FILES:
+        if name.split("/")[0] not in CODE_FOLDERS or name.endswith(".md") or not name.endswith(
+                tuple(f".{s}" for s in SUFFIXES)):
+            continue
+        for first_line, text in commented_text(name, (ROOT / name).read_text(encoding="utf-8")):
+            for offset, line in enumerate(text.splitlines()):
+                if _TIMING_OR_MACHINE.search(line):
+                    found.append(f"{name}:{first_line + offset}: {line.strip()}")
+    assert not found, "timings or machine names in code comments:\n" + "\n".join(found)
+    assert _TIMING_OR_MACHINE.search("// paid about 5.6 us a call") and _TIMING_OR_MACHINE.search(
+        "# (2.11 on the H200 machine)")

@@ -140,7 +140,7 @@ def test_profile_model_compile_refuses_by_shape():
     assert done.returncode == 2 and "use --breakdown --compile" in done.stderr
 
 
-@pytest.mark.slow  # compiles three ResNet-18s: about 2 minutes on 2 cores
+@pytest.mark.slow  # compiles three ResNet-18s
 def test_profile_model_breakdown_of_compiled_models():
     """``--breakdown --compile``: inductor's kernels are named, so native's fused
     batch norm kernels count as batch norm, not as other."""

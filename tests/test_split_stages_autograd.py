@@ -1,6 +1,6 @@
 """Every operator has an autograd registration: the split stages are
 differentiable to any order (gradcheck and gradgradcheck in float64), and
-backpropagating through them no longer warns that no autograd kernel was
+backpropagating through them raises no warning that no autograd kernel is
 registered."""
 
 from __future__ import annotations

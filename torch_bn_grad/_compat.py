@@ -23,7 +23,7 @@ TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")
 
 
 # torch >= 2.14's BatchNorm takes bias= (an affine BatchNorm without beta);
-# earlier releases (2.11 on the H200 machine) do not.
+# earlier releases (2.11) do not.
 _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(torch.nn.modules.batchnorm._BatchNorm.__init__).parameters
 
 
@@ -97,8 +97,8 @@ _ONNX_FLAGS = _onnx_export_flags()
 
 
 def in_onnx_export() -> bool:
-    """``torch.onnx.is_in_onnx_export()`` without its two imports per call (a
-    microsecond, on every BatchNorm forward); the public function where this
+    """``torch.onnx.is_in_onnx_export()`` without its two imports per call (on
+    every BatchNorm forward); the public function where this
     torch keeps the flags elsewhere."""
     if _ONNX_FLAGS is None or torch.compiler.is_compiling():  # dynamo skips torch.onnx's internals
         return torch.onnx.is_in_onnx_export()
@@ -110,7 +110,7 @@ _TRACING_STATE = getattr(torch._C, "_get_tracing_state", None)
 
 def jit_tracing() -> bool:
     """``torch.jit.is_tracing()`` without its Python frame (on every eval
-    forward: 0.1 us of its 0.12); dynamo folds both to False."""
+    forward, where the frame is most of its cost); dynamo folds both to False."""
     if _TRACING_STATE is None:
         return torch.jit.is_tracing()
     return _TRACING_STATE() is not None

@@ -44,7 +44,7 @@ def _device_count_applies(count: Union[int, Tensor], momentum: Union[float, Tens
 def _host_count(count: Union[int, Tensor]) -> Union[int, Tensor]:
     """A 0-dim CPU count tensor (the masked operators') as an int in eager steps, so that
     the update takes the operator: reading it waits for no device, and the tensor
-    arithmetic is a dozen small operators, 80 us of a small layer's step."""
+    arithmetic would be a dozen small operators, a large share of a small layer's step."""
     if _scalar_count(count) and count.device.type == "cpu" and is_eager(count):
         return int(count)
     return count

@@ -15,7 +15,7 @@
 namespace torch_bn_grad {
 namespace {
 // Whether t.permute(permutation) would be contiguous, worked out from the
-// strides (a view costs about a microsecond, a tenth of a small operator).
+// strides (making the view would cost a sizeable share of a small operator).
 bool permuted_contiguous(const at::Tensor& t, const std::vector<int64_t>& permutation) {
   if (t.numel() == 0) return true;
   int64_t expected = 1;

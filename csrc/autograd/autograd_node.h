@@ -1,6 +1,6 @@
 // How a custom autograd node is owned, for every torch release we build against:
-// torch 2.14 holds nodes in c10::intrusive_ptr, earlier releases (2.11 on the
-// H200 machine) in std::shared_ptr with torch's own deleter. The owner type is
+// torch 2.14 holds nodes in c10::intrusive_ptr, earlier releases (2.11)
+// in std::shared_ptr with torch's own deleter. The owner type is
 // read off Node::getptr(), so no version number is spelled here.
 #pragma once
 

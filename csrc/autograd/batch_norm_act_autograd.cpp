@@ -1,5 +1,5 @@
 // Autograd of the fused batch_norm_act_forward, in C++: a training step pays
-// no Python overhead for it (it used to be a Python autograd Function).
+// no Python overhead for it.
 //
 // First-order gradients run the fused backward operator. What the node saves:
 // * relu, leaky_relu: src and the output dst (act' from dst's sign), never z;

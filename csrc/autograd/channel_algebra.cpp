@@ -42,9 +42,9 @@ bool plain_cast_applies(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 // Tensor::to's values through the CPU operators' own per-channel
-// conversions (channel_convert.h), without the dispatcher's copy: about 4 us
-// a call, and a half-precision module's backward made three or four (gamma,
-// fused: and beta, to float32; the gradients back).
+// conversions (channel_convert.h), without the dispatcher's copy, whose cost
+// per call a half-precision module's backward would pay three or four times
+// (gamma, fused: and beta, to float32; the gradients back).
 at::Tensor plain_cast(const at::Tensor& t, at::ScalarType dtype) {
   std::vector<double> values(static_cast<size_t>(t.numel()));
   cpu::kernel_table().widen_channels(t, values.data());

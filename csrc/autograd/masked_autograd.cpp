@@ -1,7 +1,7 @@
 // Autograd of batch_norm_masked_forward and the fused
 // batch_norm_masked_act_forward, in C++, as batch_norm_autograd.cpp
 // does it for the plain forward: recording a masked training step through a
-// Python autograd.Function cost about 45 us of interpreter a call, a large
+// Python autograd.Function would cost interpreter time on every call, a large
 // share of a small padded layer's step. The gradient is the masked backward
 // operator (padded positions get 0 and are never read), whose own Autograd
 // kernel (Python, _masked_autograd.py) records it for higher orders. The

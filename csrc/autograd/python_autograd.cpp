@@ -2,10 +2,9 @@
 // double backward and jvp, the split stages': torch_bn_grad/_autograd_kernel.py),
 // behind a check in C++. A call that records nothing (grad mode off or no
 // input requiring grad, and no forward-mode tangent) goes below autograd here;
-// through a Python kernel it paid about 5.6 us of interpreter and argument
-// conversion per call (a 2x8 batch_norm_backward took 10.9 us against
-// native's 6.2 us). A call that records runs the Python `record` function
-// with the operator's arguments, as the Python kernel did.
+// through a Python kernel it would pay the interpreter and the argument
+// conversion on every call, most of a small call's time. A call that records
+// runs the Python `record` function with the operator's arguments.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/grad_mode.h>

@@ -81,7 +81,7 @@ __device__ __forceinline__ void column_reduce(S& s, S (&shared)[kThreads / 2]) {
 // threads: a warp (kWarp; kThreads / kWarp channels a block) or, where a
 // channel has many partials, the whole block (kThreads): a columns partition
 // of few channels gives each thousands (64 channels of 64x112x112: 3136),
-// which one warp merged in ~9 us on an H200, longer than the data pass.
+// which one warp merges in longer than the data pass takes.
 constexpr int kChannelsPerBlock = kThreads / kWarp;
 constexpr int64_t kBlockMergeMinPartials = 8 * kWarp;
 

@@ -146,8 +146,8 @@ bool use_persistent_planes(const Extent& e) {
 
 // The registers a thread reserves follow its slots, used or not: the backward
 // kernel at full size takes ~124 registers, two blocks per SM, so a layer of
-// 512 channels of 32x7x7 ran in two waves of latency-bound blocks (15 us on
-// an H200, cuDNN 7 us). Shapes that fill fewer slots get a kernel compiled
+// 512 channels of 32x7x7 would run in two waves of latency-bound blocks,
+// slower than cuDNN. Shapes that fill fewer slots get a kernel compiled
 // with a quarter or half of them, which fits 4-6 blocks per SM.
 template <int Max>
 constexpr int kPersistentSlotLevels[3] = {Max / 4 > 0 ? Max / 4 : 1, Max / 2 > 0 ? Max / 2 : 1, Max};

@@ -66,8 +66,8 @@ __device__ __forceinline__ int64_t owned_column() {
 }
 
 // Four rows a trip, with no bounds test between them, so that their loads are
-// in flight together (one at a time left the reductions at about half the
-// elementwise pass's bandwidth on an H200); the order is that of one row a
+// in flight together (one at a time leaves the reductions at about half the
+// elementwise pass's bandwidth); the order is that of one row a
 // trip, so are the results.
 template <typename F>
 __device__ __forceinline__ void for_each_row(const ColumnGrid& g, int64_t column, const F& f) {

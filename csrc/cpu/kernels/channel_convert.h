@@ -1,11 +1,9 @@
 // The CPU operators' per-channel tensors to and from the kernels' float64
 // vectors (channel_layout.cpp's fast paths), a vector of channels at a time.
-// Compiled for the baseline ISA there, the float32 loop converted two
+// Compiled for the baseline ISA there, a scalar float32 loop converts two
 // channels an instruction through a store and reload on the stack: on a
-// 2x4096 float32 backward its three loads were a sixth of the operator's time
-// (perf, 1 thread). Vectorized, the 2x4096 eval forward (four loads) took
-// 12.0 us instead of 14.0 (1 thread, best of 7, old and new builds in
-// alternating processes); the other operators gained under a microsecond.
+// 2x4096 float32 backward its three loads are a sixth of the operator's time
+// (perf, 1 thread), which these vector loops avoid.
 #pragma once
 
 #include <ATen/Dispatch.h>

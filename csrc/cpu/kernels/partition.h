@@ -190,7 +190,7 @@ inline bool short_planes(const Blocks& b, const Extent& e, size_t element_bytes)
 // channels * inner elements from the next, so the plane kernels wait on a
 // miss per row and split each row into a full and a partial chunk, while the
 // row kernels read eight rows of ~1000 columns side by side in full chunks.
-// Measured here (2 threads, separate processes alternating, old and new
+// Measured (2 threads, separate processes alternating, A/B
 // builds), time taken, segments over planes: 32x2048x7x7 forward 0.69x-0.78x,
 // backward 0.72x-0.92x (float32, bfloat16, float16); 64x2048x7x7 float32
 // 0.88x / 0.71x; 32x1024x7x7 bfloat16 0.73x / 0.80x; 16 rows 0.82x-1.0x.
@@ -207,7 +207,7 @@ inline bool reduces_as_segments(const Blocks& b, const Extent& e, size_t element
 // output) writes the output with streaming stores (Io::store_stream): the
 // output does not stay in the caches for the next operator anyway, and a
 // streaming store writes a line without reading it first. 48 MB is 1.5x this
-// machine's L3. Measured here (2 threads, A/B in one process, results
+// machine's L3. Measured (2 threads, A/B in one process, results
 // bitwise equal): backward passes (x, dy, dx) of 16 MB outputs 0.77x-0.92x
 // the time; forward and eval passes (x, out) of 24 MB to 100 MB outputs
 // 0.63x-0.95x, but of 16-18 MB outputs up to 1.3x (when the previous call's

@@ -166,7 +166,7 @@ struct PlaneKernels {
   // Long rows, read by a pass from memory (Pass::kFromMemory), request the
   // segment kPrefetchAheadBytes (vec_io.h) on in the block's walk (this
   // row's elements, then the next row's), at most a row on, as the row
-  // kernels do (row_walk.h). Measured here (2 threads, old and new
+  // kernels do (row_walk.h). Measured (2 threads, A/B
   // builds in alternating processes): forward 0.67x-0.86x the time on NCHW
   // 56x56 and 112x112 planes (float32, float16, bfloat16; float32 112x112
   // level), half-precision backward 0.72x-0.97x. Requesting past the row's

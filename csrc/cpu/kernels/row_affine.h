@@ -104,7 +104,7 @@ struct RowAffine {
   // partial chunk a row: on AVX2 (16 registers), 24 half-precision channels
   // (18 coefficient vectors) eval took 0.3x-0.6x the time tiled; five chunks
   // (30 vectors, AVX512) 32x40x28x28 eval 0.6x-0.8x, and three with y (24)
-  // the 24-channel backward level or faster (old and new builds in
+  // the 24-channel backward level or faster (A/B builds in
   // alternating processes, 2 threads).
   // K is a power of two, so the period of a C that is no multiple of it is
   // odd: 1, 3 or 5 chunks, the three affine() instantiates.
@@ -147,13 +147,13 @@ struct RowAffine {
     // 0.74x-0.99x (A/B in one process, 2 threads).
     // Rows narrower than a chunk (channels_last 16 and 24 half-precision
     // channels: MobileNet's, EfficientNet's; tiled_rows takes them where
-    // the epilogue allows, so now silu's backward) are one partial chunk each,
+    // the epilogue allows, so silu's backward) are one partial chunk each,
     // whose coefficients the row-by-row walk reloaded (masked) every row;
     // in registers, channels_last 32x24x56x56 eval took 0.41x-0.83x
     // (bfloat16) and 0.44x-0.49x (float16) the time, 32x16x112x112
-    // 0.53x-0.71x and 0.38x-0.46x (old and new builds in alternating
+    // 0.53x-0.71x and 0.38x-0.46x (A/B builds in alternating
     // processes, two each, 2 threads). Half precision takes rows of up to
-    // four chunks too (128 channels; two before) where there is no second
+    // four chunks too (128 channels) where there is no second
     // input: channels_last 32x112x14x14 (three chunks and a partial one)
     // eval 0.70x-0.92x the time, forward 0.76x-0.98x; 32x128x28x28 eval
     // 0.83x-0.92x (bfloat16 and float16, the same A/B). The backward's

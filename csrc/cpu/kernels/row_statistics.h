@@ -60,9 +60,9 @@ struct RowStatistics : RowWalk<T> {
 
   // The per-column work of stats (one column a channel) a vector of float64
   // lanes at a time, lane for lane the values of the one-channel forms: on layers of
-  // many channels and few rows it was most of the statistics' time (a
-  // 2x4096 float32 forward: exact_centre and centred_moments one column at a
-  // time, 5 ns a column). Columns [j, j + n) of acc_t (or float64) arrays as
+  // many channels and few rows, one column at a time, it is most of the
+  // statistics' time (exact_centre and centred_moments of a 2x4096 float32
+  // forward). Columns [j, j + n) of acc_t (or float64) arrays as
   // lanes, the lanes past n zero.
   template <typename A>
   static VecD column_lanes(const A* a, int64_t j, int64_t n) {
@@ -176,7 +176,7 @@ struct RowStatistics : RowWalk<T> {
   // precision (chunks of one line, walked one at a time: a run reads one
   // line of each of 8 rows, whose misses the loads wait on), whole rows of
   // 512 bytes or more (whole_wide_rows), and a tensor that comes from
-  // memory rather than the L3. Measured here (2 threads, old and new walks in
+  // memory rather than the L3. Measured (2 threads, A/B walks in
   // alternating processes, bitwise equal): channels_last forward of
   // 32x256x56x56 float16 / bfloat16 0.72x-0.78x the time, 32x512x28x28
   // float16 0.72x-0.80x, 12.8 MB tensors (32x256x28x28 float16,

@@ -78,7 +78,7 @@ struct RowWalk {
   // float16 statistics and grad sums several times slower than native's;
   // with partial chunks (and row_affine.h's) its forward took 0.16x and
   // backward 0.15x the time, NCHW 32x2048x7x7 float16 (segment blocks of
-  // 980 columns, 20 past the last full chunk) 0.83x and 0.84x (old and new
+  // 980 columns, 20 past the last full chunk) 0.83x and 0.84x (A/B
   // builds in alternating processes, 2 threads).
   // Per-column arrays are kColumnBlock (a multiple of K) long, so that the
   // chunk's lanes past the block land in columns no one reads.
@@ -115,7 +115,7 @@ struct RowWalk {
   // The two or three chunks left after the full groups (rows of 32 or 48
   // float32 channels under AVX512) make one last group: one chunk at a
   // time, a run was read every other line, twice, one chain a walk. Time
-  // taken (1 thread, old and new builds in alternating processes, 10
+  // taken (1 thread, A/B builds in alternating processes, 10
   // rounds, bitwise equal): channels_last 64x48x24x24 grad sums 0.73x,
   // forward 0.88x; 64x32x24x24 0.94x and 0.96x; on 2 threads within the
   // VM's noise.
@@ -156,7 +156,7 @@ struct RowWalk {
   // on the instructions after two loads). Walking rows, each chunk asks for
   // the line kPrefetchAheadBytes (vec_io.h) on in each stream; walking chunks of kRowRun
   // rows, each chunk group asks for the same columns of the next run's rows.
-  // Measured here (2 threads, old and new builds in alternating processes):
+  // Measured (2 threads, A/B builds in alternating processes):
   // backward 0.55x-0.67x the time on channels_last half precision of
   // 256-1024 channels and 4096x1024 float16, 0.83x-0.87x on float32 of
   // 128-1024 channels; forward 0.87x on 1024-channel rows of float32,
