@@ -1,6 +1,8 @@
 """The package's modules form a layered graph: no import cycles among
-``torch_bn_grad``'s modules (imports inside functions included), and no module
-reaches into another's private (underscore) names. Private *modules*
+``torch_bn_grad``'s modules, its subpackages' included (imports inside
+functions too), and no module reaches into another's private (underscore)
+names. Modules are named by their dotted path in the package (``nn``,
+``bench.ops``; a subpackage's ``__init__`` by the subpackage's name). Private *modules*
 (``_compat``, ``_convert``, ...) are the package's own and may be imported
 anywhere in it; the compiled extension ``_C`` is not a Python module here.
 Read from the source (``ast``), so it checks what a reader sees.
@@ -16,19 +18,30 @@ PACKAGE = "torch_bn_grad"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
 def _modules() -> dict[str, ast.Module]:
-    return {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(ROOT.glob("*.py"))}
+    return {_module_name(path): ast.parse(path.read_text(), str(path)) for path in sorted(ROOT.rglob("*.py"))}
 
 
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _submodule(dotted: Optional[str]) -> Optional[str]:
-    """``x`` for ``torch_bn_grad.x[.y]``, else None."""
+def _submodule(dotted: Optional[str], modules: set[str]) -> Optional[str]:
+    """The longest project module that ``torch_bn_grad.<dotted>`` names
+    (``bench.ops`` for ``torch_bn_grad.bench.ops``), else None."""
     if dotted is None or not dotted.startswith(PACKAGE + "."):
         return None
-    return dotted.split(".")[1]
+    parts = dotted.split(".")[1:]
+    while parts and ".".join(parts) not in modules:
+        parts.pop()
+    return ".".join(parts) if parts else dotted.split(".")[1]
 
 
 def _uses(name: str, tree: ast.Module, modules: set[str]) -> tuple[set[str], list[str]]:
@@ -38,18 +51,21 @@ def _uses(name: str, tree: ast.Module, modules: set[str]) -> tuple[set[str], lis
     private: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == PACKAGE:
-                for alias in node.names:
-                    if alias.name in modules:
-                        imported.add(alias.name)
-                        aliases[alias.asname or alias.name] = alias.name
-            elif (owner := _submodule(node.module)) is not None:
-                imported.add(owner)
-                private += [f"line {node.lineno}: from {node.module} import {a.name}"
-                            for a in node.names if _is_private(a.name)]
+            owner = None if node.module == PACKAGE else _submodule(node.module, modules)
+            if node.module != PACKAGE and owner is None:
+                continue
+            for alias in node.names:
+                module = f"{owner}.{alias.name}" if owner else alias.name
+                if module in modules:  # a module imported from its package
+                    imported.add(module)
+                    aliases[alias.asname or alias.name] = module
+                elif owner is not None:
+                    imported.add(owner)
+                    if _is_private(alias.name):
+                        private.append(f"line {node.lineno}: from {node.module} import {alias.name}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if (owner := _submodule(alias.name)) is not None:
+                if (owner := _submodule(alias.name, modules)) is not None:
                     imported.add(owner)
                     if alias.asname:
                         aliases[alias.asname] = owner
@@ -97,6 +113,8 @@ def test_the_checks_see_what_they_look_for():
     b = ast.parse("from torch_bn_grad.a import _thing\n")
     assert _uses("a", a, {"a", "b"}) == ({"b"}, ["line 2: b._helper"])
     assert _uses("b", b, {"a", "b"}) == ({"a"}, ["line 1: from torch_bn_grad.a import _thing"])
+    c = ast.parse("from torch_bn_grad.sub import d\nfrom torch_bn_grad.sub.d import _x\n")
+    assert _uses("c", c, {"c", "sub", "sub.d"}) == ({"sub.d"}, ["line 2: from torch_bn_grad.sub.d import _x"])
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
