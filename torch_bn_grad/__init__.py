@@ -18,6 +18,8 @@ from torch_bn_grad import config, functional, memory, nn, stages
 from torch_bn_grad import _inductor
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
+from torch_bn_grad._fold import fold_conv_batchnorm
+from torch_bn_grad._revert import BatchNormActSequential, revert_batchnorm
 from torch_bn_grad.ops import batch_norm_act_backward, batch_norm_act_forward, batch_norm_backward, batch_norm_forward
 
 # torch's tools (FX, quantization) treat this library's BatchNorms as torch's.
@@ -27,6 +29,7 @@ _quantization.register_or_warn()
 _onnx.register()  # the operator's symbolic for the TorchScript-based ONNX exporter
 
 __all__ = [
+    "BatchNormActSequential",
     "BatchNormFunction",
     "config",
     "batch_norm_act_backward",
@@ -34,9 +37,11 @@ __all__ = [
     "batch_norm_backward",
     "batch_norm_forward",
     "convert_batchnorm",
+    "fold_conv_batchnorm",
     "functional",
     "memory",
     "nn",
+    "revert_batchnorm",
     "stages",
 ]
 
