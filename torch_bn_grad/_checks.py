@@ -1,6 +1,7 @@
 """Argument checks made in Python: what cannot reach the C++ checks
 (``csrc/args/batch_norm_args.cpp``), arguments of the wrong Python type, and the
-fake implementations' device check."""
+fake implementations' device check. The activation arguments' check is
+``_activation.check``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from torch_bn_grad import _activation
+
+# The operator wrappers' name for the activation check, whose rule is _activation's.
+check_activation = _activation.check
 
 
 def check_data_format(op: str, data_format: object) -> None:
@@ -31,29 +37,6 @@ def output_mask_value(
             f"{op}: output_mask must have {len(names)} entries ({', '.join(names)}), got {len(mask)}"
         )
     return mask
-
-
-ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
-
-
-def check_activation(
-    op: str, activation: object, negative_slope: object, inverted: bool = False, flag: str = "memory_saving"
-) -> float:
-    """The fused operators' activation arguments (ValueError naming the argument);
-    returns negative_slope as a float. ``inverted``: the activation must be invertible."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-    try:
-        slope = float(negative_slope)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: negative_slope must be a real number, got {negative_slope!r}") from None
-    if not (slope >= 0 and slope != float("inf")):
-        raise ValueError(f"{op}: negative_slope must be finite and >= 0 (the backward reads the activation's "
-                         f"derivative from the output's sign), got {slope}")
-    if inverted and not (activation == "identity" or (activation == "leaky_relu" and slope > 0)):
-        raise ValueError(f"{op}: {flag}=True needs an invertible activation ('identity', or 'leaky_relu' with "
-                         f"negative_slope > 0), got activation={activation!r}, negative_slope={slope}")
-    return slope
 
 
 def check_same_device(op: str, src: Tensor, **tensors: Optional[Tensor]) -> None:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_bn_grad import _convert
+from torch_bn_grad import _activation, _convert
 from torch_bn_grad._convert import Targets
 
 _ACT_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
@@ -96,7 +96,7 @@ def _fuse_timm(module: nn.Module, targets: Targets, name: str, sync: bool, memor
             unfused.append((name, f"timm {kind.__name__}: {why}; converted with its drop and act kept"))
             return module
         new = _convert.adopt(module, _convert.derived(kind, targets.act_forward, act=False), targets, False, None)
-        new._set_activation(activation[0], activation[1], memory_saving and _saves_memory(*activation))
+        new._set_activation(activation[0], activation[1], memory_saving and _activation.invertible(*activation))
         return new
     for child_name, child in module.named_children():
         new_child = _fuse_timm(child, targets, f"{name}.{child_name}" if name else child_name, sync, memory_saving,
@@ -313,7 +313,8 @@ def _fused_module(bn: nn.Module, targets: Targets, activation: str, negative_slo
                   memory_saving: bool) -> nn.Module:
     """The fused module in place of ``bn``, sharing its tensors, training flag and attributes."""
     fused = _convert.adopt(bn, targets.fused[type(bn)], targets, False, None)  # type: ignore[arg-type]
-    fused._set_activation(activation, negative_slope, memory_saving and _saves_memory(activation, negative_slope))
+    fused._set_activation(activation, negative_slope,
+                          memory_saving and _activation.invertible(activation, negative_slope))
     return fused
 
 
@@ -385,6 +386,3 @@ def _split(target: str) -> tuple[str, str]:
 def _has_hooks(module: Optional[nn.Module]) -> bool:
     return module is not None and any(getattr(module, key, None) for key in _HOOKS)
 
-
-def _saves_memory(activation: str, negative_slope: float) -> bool:
-    return activation == "identity" or (activation == "leaky_relu" and negative_slope > 0)

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad._checks import check_activation
+from torch_bn_grad import _activation
 from torch_bn_grad._eager import is_eager
 from torch_bn_grad._masked import masked_batch_norm, masked_batch_norm_act
 from torch_bn_grad._running_stats import forward_update_applies, update_running_stats
@@ -149,7 +149,7 @@ def batch_norm_act(
     ``ValueError``), ``weight`` must have no zeros (not checked), and double
     backward is then not available.
     """
-    slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
+    slope = _activation.check("batch_norm_act", activation, negative_slope, memory_saving)
     if mask is not None:
         return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
                                      residual, activation, slope)

@@ -204,9 +204,10 @@ class ActForward(FusedForward):
         self._set_activation(activation, negative_slope, memory_saving)
 
     def _set_activation(self, activation: str, negative_slope: float, memory_saving: bool) -> None:
-        _activation.check(activation, negative_slope, memory_saving, type(self).__name__)
+        # The operators' check, at construction: a module that builds also runs.
+        slope = _activation.check(type(self).__name__, activation, negative_slope, memory_saving)
         self.activation = activation
-        self.negative_slope = float(negative_slope)
+        self.negative_slope = slope
         self.memory_saving = bool(memory_saving)
 
     def forward(  # type: ignore[override]
