@@ -1,7 +1,8 @@
 """Each rule has one home, and every path that applies it agrees with it:
 the activations' (names, slope, invertibility: ``_activation``) between the
 modules' constructors, the functional API, the operator wrappers and the C++
-operators.
+operators; the running statistics' and ``eps`` checks (``_checks``) between
+the functional, masked, scripted and distributed paths.
 """
 
 from __future__ import annotations
@@ -84,3 +85,52 @@ def test_fused_lowering_uses_the_composed_activation():
             fullgraph=True)
         plain = torch_bn_grad.functional.batch_norm(x, None, None, training=True)
         torch.testing.assert_close(f(x), _activation.activate(plain, activation, 0.3))
+
+
+def _eval_without_stats(module: torch.nn.Module) -> torch.nn.Module:
+    module.eval()
+    module.running_mean = None  # running_var kept: eval mode cannot normalize
+    return module
+
+
+def test_statistics_checks_agree_across_paths():
+    """Eval without running statistics and ``eps <= 0`` in training: the same error from
+    the functional, masked, scripted (TorchScript) and distributed paths."""
+    x = torch.randn(4, 3, 5)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    var = torch.ones(3)
+    eval_message = "running_mean and running_var must be given when training=False"
+    eps_message = "eps must be positive in training, got 0"
+    calls = {
+        "functional": lambda **kw: torch_bn_grad.functional.batch_norm(x, **kw),
+        "functional_act": lambda **kw: torch_bn_grad.functional.batch_norm_act(x, **kw),
+        "masked": lambda **kw: torch_bn_grad.functional.batch_norm(x, mask=mask, **kw),
+        "masked_act": lambda **kw: torch_bn_grad.functional.batch_norm_act(x, mask=mask, **kw),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=eval_message):
+            call(running_mean=None, running_var=var, training=False)
+        with pytest.raises(ValueError, match=eps_message):
+            call(running_mean=None, running_var=None, training=True, eps=0.0)
+    scripted = torch.jit.script(_eval_without_stats(bn_nn.BatchNorm1d(3)))
+    for args in ((x,), (x, mask)):
+        with pytest.raises(Exception, match=eval_message):
+            scripted(*args)
+    scripted = torch.jit.script(bn_nn.BatchNorm1d(3, eps=0.0))
+    for args in ((x,), (x, mask)):
+        with pytest.raises(Exception, match=eps_message):
+            scripted(*args)
+    with pytest.raises(ValueError, match="sync_batch_norm: " + eps_message):
+        torch_bn_grad.distributed.sync_batch_norm(x, None, None, None, None, 0.1, 0.0, None)
+
+
+def test_momentum_factor_is_shared_by_eager_and_scripted_modules():
+    """``momentum=None``'s cumulative average: the same running statistics eagerly and scripted."""
+    eager = bn_nn.BatchNorm2d(3, momentum=None).double()
+    scripted = torch.jit.script(bn_nn.BatchNorm2d(3, momentum=None).double())
+    for step in range(3):
+        x = torch.randn(2, 3, 4, 4, dtype=torch.float64) * (step + 1) + step
+        eager(x), scripted(x)
+    assert int(eager.num_batches_tracked) == int(scripted.num_batches_tracked) == 3
+    torch.testing.assert_close(scripted.running_mean, eager.running_mean, rtol=0, atol=1e-15)
+    torch.testing.assert_close(scripted.running_var, eager.running_var, rtol=0, atol=1e-15)

@@ -76,14 +76,8 @@ class FusedForward:
         training, momentum = self.training, self.momentum
         buffers = self._buffers
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
-        factor: Union[float, Tensor] = 0.0 if momentum is None else momentum
-        if training and self.track_running_stats:
-            tracked = buffers.get("num_batches_tracked")
-            if tracked is not None:
-                tracked.add_(1)
-                if momentum is None:
-                    # float64: 1 / an int64 tensor would be float32, off by 1e-8 relative.
-                    factor = 1.0 / tracked.double()
+        factor = _script.count_batch(buffers.get("num_batches_tracked"), training and self.track_running_stats,
+                                     momentum)
         if not training:
             return running_mean, running_var, running_mean is None and running_var is None, factor
         if not self.track_running_stats:
