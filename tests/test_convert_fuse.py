@@ -208,6 +208,47 @@ def test_unfusable_sites_are_named_and_compute_as_before():
     _assert_same(ref, fused, torch.randn(2, 3, 4, 4, dtype=torch.float64))
 
 
+class NegativeSlopes(nn.Module):
+    """LeakyReLU with a negative slope, as a module (in a Sequential) and as a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(-0.1))
+        self.bn = nn.BatchNorm2d(4)
+        self.tail = nn.Sequential(nn.BatchNorm2d(4), nn.LeakyReLU(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.leaky_relu(self.bn(self.stem(x)), -0.2)
+        return self.tail(x)
+
+
+def test_negative_slope_stays_unfused_named_and_computes_as_the_original():
+    # The fused kernels read leaky_relu's derivative from the output's sign, which a
+    # negative slope flips: those sites stay unfused (and run), the others fuse.
+    model = NegativeSlopes().double()
+    fused, warned = _convert(copy.deepcopy(model))
+    assert type(fused.stem[1]) is bn_nn.BatchNorm2d and type(fused.stem[2]) is nn.LeakyReLU
+    assert type(fused.bn) is bn_nn.BatchNorm2d and type(fused.tail[0]) is bn_nn.BatchNormAct2d
+    assert len(warned) == 1 and "2 BatchNorm(s) left unfused" in warned[0], warned
+    for slope, name in [(-0.1, "stem.1"), (-0.2, "bn")]:
+        line = next(line for line in warned[0].splitlines() if f"got {slope}" in line)
+        assert "(leaky_relu): negative_slope must be finite and >= 0" in line, warned[0]
+        assert line.rstrip().endswith(f": {name}"), warned[0]
+    _assert_same(model, fused, torch.randn(2, 3, 5, 5, dtype=torch.float64))
+
+
+@needs_timm
+def test_timm_negative_slope_stays_unfused():
+    # inplace=False: torch has no in-place leaky_relu backward for a negative slope.
+    model = nn.Sequential(timm.layers.BatchNormAct2d(4, act_layer=nn.LeakyReLU, act_kwargs={"negative_slope": -0.1},
+                                                     inplace=False),
+                          timm.layers.BatchNormAct2d(4, act_layer=nn.LeakyReLU)).double()
+    fused, warned = _convert(copy.deepcopy(model))
+    assert not isinstance(fused[0], bn_nn.ActForward) and isinstance(fused[1], bn_nn.ActForward)
+    assert len(warned) == 1 and "its act LeakyReLU: negative_slope must be finite and >= 0" in warned[0], warned
+    _assert_same(model, fused, torch.randn(2, 4, 3, 3, dtype=torch.float64))
+
+
 class TrainingBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()

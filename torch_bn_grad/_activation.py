@@ -1,7 +1,9 @@
-"""The activations of the fused batch-norm modules, by name, in one place:
-their validation and their plain (composed) form, used by ``SyncBatchNormAct``
-with whole-group statistics, by the modules' fallback for a residual that is
-not of the input's shape and dtype, and by ``convert_batchnorm(fuse=True)``."""
+"""The activations of the fused batch-norm operators, by name, in one place:
+their names, the check of their arguments, which of them can be inverted,
+how their derivative is read from the output, and their plain (composed)
+form. The operator wrappers, the fused modules, ``convert_batchnorm(fuse=True)``,
+the masked, scripted and ONNX paths and the inductor rewrites all call these;
+the C++ operators check the same rule (``csrc/args/batch_norm_args.cpp``)."""
 
 from __future__ import annotations
 
@@ -14,19 +16,37 @@ from torch import Tensor
 ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
 
 
-def check(activation: str, negative_slope: float, memory_saving: bool, where: str) -> None:
-    """Raise ``ValueError`` for an unknown activation, a non-finite slope, or
-    ``memory_saving`` with an activation whose input cannot be recovered from
-    its output (only identity and leaky_relu with a positive slope can)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)) \
-            or not math.isfinite(negative_slope):
-        raise ValueError(f"{where}: negative_slope must be a finite number, got {negative_slope!r}")
-    if memory_saving and not (activation == "identity" or (activation == "leaky_relu" and negative_slope > 0)):
-        raise ValueError(
-            f"{where}: memory_saving=True needs an invertible activation (identity, or leaky_relu with "
-            f"negative_slope > 0), got activation={activation!r}, negative_slope={negative_slope}")
+def check(op: str, activation: object, negative_slope: object, inverted: bool = False,
+          flag: str = "memory_saving") -> float:
+    """The activation arguments of ``op``; returns ``negative_slope`` as a float.
+
+    ``ValueError`` for an unknown activation or a slope that is not finite and
+    >= 0 (the fused backward reads the derivative from the output's sign,
+    which a negative slope flips), ``TypeError`` for a slope that is not a real
+    number. ``inverted``: ``flag=True`` was asked for, which recovers the input
+    from the output, so the activation must be :func:`invertible`."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    if isinstance(negative_slope, bool):
+        raise TypeError(f"{op}: negative_slope must be a real number, got {negative_slope!r}")
+    try:
+        slope = float(negative_slope)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: negative_slope must be a real number, got {negative_slope!r}") from None
+    if not (math.isfinite(slope) and slope >= 0):
+        raise ValueError(f"{op}: negative_slope must be finite and >= 0 (the fused backward reads the "
+                         f"activation's derivative from the output's sign), got {slope}")
+    if inverted and not invertible(activation, slope):
+        raise ValueError(f"{op}: {flag}=True needs an invertible activation ('identity', or 'leaky_relu' with "
+                         f"negative_slope > 0), got activation={activation!r}, negative_slope={slope}")
+    return slope
+
+
+def invertible(activation: str, negative_slope: float) -> bool:
+    """Whether the activation's input can be recovered from its output (what
+    ``memory_saving``/``from_output`` need): identity, and leaky_relu with a
+    positive slope."""
+    return activation == "identity" or (activation == "leaky_relu" and negative_slope > 0)
 
 
 def fuses_residual(input: Tensor, residual: Optional[Tensor]) -> bool:
@@ -46,3 +66,14 @@ def activate(y: Tensor, activation: str, negative_slope: float) -> Tensor:
     if activation == "silu":
         return torch.nn.functional.silu(y)
     return y
+
+
+def gate_from_output(grad: Tensor, dst: Tensor, activation: str, negative_slope: float) -> Tensor:
+    """``grad * act'(z)`` for identity, relu and leaky_relu, read from the output
+    ``dst``: with ``negative_slope >= 0``, ``dst > 0`` exactly where ``z > 0``.
+    Identity returns ``grad`` itself. (silu's derivative needs ``z``.)"""
+    if activation == "relu":
+        return torch.where(dst > 0, grad, 0)
+    if activation == "leaky_relu":
+        return torch.where(dst > 0, grad, grad * negative_slope)
+    return grad

@@ -17,6 +17,8 @@ from torch import Tensor
 
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
+# The data dtypes the operators take.
+FLOAT_TYPES = (torch.float64, torch.float32, *HALF_TYPES)
 
 
 def accumulation_dtype(src: Tensor) -> torch.dtype:

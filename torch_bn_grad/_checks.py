@@ -1,6 +1,9 @@
 """Argument checks made in Python: what cannot reach the C++ checks
-(``csrc/args/batch_norm_args.cpp``), arguments of the wrong Python type, and the
-fake implementations' device check."""
+(``csrc/args/batch_norm_args.cpp``), arguments of the wrong Python type, the
+functional and module paths' checks of the running statistics and ``eps``
+(written so that TorchScript compiles them, for ``_script.py``), and the fake
+implementations' device check. The activation arguments' check is
+``_activation.check``."""
 
 from __future__ import annotations
 
@@ -8,6 +11,11 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from torch_bn_grad import _activation
+
+# The operator wrappers' name for the activation check, whose rule is _activation's.
+check_activation = _activation.check
 
 
 def check_data_format(op: str, data_format: object) -> None:
@@ -33,27 +41,41 @@ def output_mask_value(
     return mask
 
 
-ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
+def check_running_stats(op: str, running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> None:
+    """Eval mode normalizes with the running statistics: both must be given."""
+    if running_mean is None or running_var is None:
+        raise ValueError(op + ": running_mean and running_var must be given when training=False")
 
 
-def check_activation(
-    op: str, activation: object, negative_slope: object, inverted: bool = False, flag: str = "memory_saving"
-) -> float:
-    """The fused operators' activation arguments (ValueError naming the argument);
-    returns negative_slope as a float. ``inverted``: the activation must be invertible."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-    try:
-        slope = float(negative_slope)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: negative_slope must be a real number, got {negative_slope!r}") from None
-    if not (slope >= 0 and slope != float("inf")):
-        raise ValueError(f"{op}: negative_slope must be finite and >= 0 (the backward reads the activation's "
-                         f"derivative from the output's sign), got {slope}")
-    if inverted and not (activation == "identity" or (activation == "leaky_relu" and slope > 0)):
-        raise ValueError(f"{op}: {flag}=True needs an invertible activation ('identity', or 'leaky_relu' with "
-                         f"negative_slope > 0), got activation={activation!r}, negative_slope={slope}")
-    return slope
+def check_training_eps(op: str, eps: float) -> None:
+    """Batch statistics are normalized with ``rsqrt(variance + eps)``, which a
+    constant channel (variance 0) makes infinite unless ``eps > 0``."""
+    if not eps > 0:
+        raise ValueError(op + ": eps must be positive in training, got " + str(eps))
+
+
+def check_statistics(op: str, training: bool, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                     eps: float) -> None:
+    """What a batch norm needs before it normalizes: the running statistics in eval
+    mode, a positive ``eps`` in training."""
+    if training:
+        check_training_eps(op, eps)
+    else:
+        check_running_stats(op, running_mean, running_var)
+
+
+def check_training(op: str, input: Tensor, eps: float) -> None:
+    """torch's training check (more than one value per channel, after the rank the
+    channel axis needs), then a positive ``eps``."""
+    if input.dim() < 2:
+        raise ValueError(op + ": expected input of rank 2 or more (N, C, *), got shape " + str(list(input.shape)))
+    size_prods = input.size(0)
+    for size in input.size()[2:]:
+        size_prods *= size
+    if size_prods == 1:
+        raise ValueError("Expected more than 1 value per channel when training, got input size "
+                         + str(input.size()))
+    check_training_eps(op, eps)
 
 
 def check_same_device(op: str, src: Tensor, **tensors: Optional[Tensor]) -> None:

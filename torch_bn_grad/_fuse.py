@@ -2,16 +2,17 @@
 
 1. timm's ``BatchNormAct2d`` (norm, drop, act in one module) becomes a class
    derived from it with :class:`torch_bn_grad.nn.BatchNormAct2d`'s forward when
-   its ``drop`` is ``Identity`` and its ``act`` is ReLU, LeakyReLU, SiLU or
-   Identity; otherwise it is converted unfused (its drop and act kept).
+   its ``drop`` is ``Identity`` and its ``act`` is ReLU, LeakyReLU (slope >= 0),
+   SiLU or Identity; otherwise it is converted unfused (its drop and act kept).
 2. Every other torch BatchNorm is converted as ``convert_batchnorm`` does.
 3. ``torch.fx`` symbolically traces the model (BatchNorms and torch.nn modules
    are leaves) and finds ``bn -> act`` and ``bn -> add(residual) -> act``
    where the BatchNorm's output has no other use, the sum (if any) no other
    use than the activation, and the activation is an ``nn.ReLU``/``LeakyReLU``/
    ``SiLU`` module or an ``F.relu``/``F.leaky_relu``/``F.silu``/``torch.relu``
-   call or ``Tensor.relu`` method (in place or not). Each becomes one call of
-   a fused module that shares the BatchNorm's tensors:
+   call or ``Tensor.relu`` method (in place or not) whose arguments the fused
+   operators take (``_activation.check``: a LeakyReLU's slope >= 0). Each
+   becomes one call of a fused module that shares the BatchNorm's tensors:
 
    * a pair of adjacent children of a plain ``nn.Sequential`` (each called
      once) is fused in place: the BatchNorm's slot gets the fused module, the
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_bn_grad import _convert
+from torch_bn_grad import _activation, _convert
 from torch_bn_grad._convert import Targets
 
 _ACT_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
@@ -96,7 +97,7 @@ def _fuse_timm(module: nn.Module, targets: Targets, name: str, sync: bool, memor
             unfused.append((name, f"timm {kind.__name__}: {why}; converted with its drop and act kept"))
             return module
         new = _convert.adopt(module, _convert.derived(kind, targets.act_forward, act=False), targets, False, None)
-        new._set_activation(activation[0], activation[1], memory_saving and _saves_memory(*activation))
+        new._set_activation(activation[0], activation[1], memory_saving and _activation.invertible(*activation))
         return new
     for child_name, child in module.named_children():
         new_child = _fuse_timm(child, targets, f"{name}.{child_name}" if name else child_name, sync, memory_saving,
@@ -120,9 +121,11 @@ def _timm_activation(module: nn.Module, sync: bool) -> tuple[Optional[tuple[str,
         return None, "its drop or act has hooks"
     if act is None or type(act) is nn.Identity:
         return ("identity", 0.01), ""
-    if type(act) in _ACT_MODULES:
-        return (_ACT_MODULES[type(act)], float(getattr(act, "negative_slope", 0.01))), ""
-    return None, f"its act {type(act).__name__} is not one of ReLU, LeakyReLU, SiLU, Identity"
+    if type(act) not in _ACT_MODULES:
+        return None, f"its act {type(act).__name__} is not one of ReLU, LeakyReLU, SiLU, Identity"
+    activation = (_ACT_MODULES[type(act)], float(getattr(act, "negative_slope", 0.01)))
+    why = _unfusable(f"its act {type(act).__name__}", *activation)
+    return (None, why) if why else (activation, "")
 
 
 # ------------------------------------------------------------------ tracing
@@ -251,6 +254,9 @@ def _match(node: fx.Node, modules: dict[str, nn.Module], calls: Counter) -> Unio
             return None
     if act[0] == "other":
         return f"the activation ({act[1]}) is not fusable (ReLU, LeakyReLU, SiLU)"
+    why = _unfusable(f"the activation ({act[0]})", act[0], act[1])
+    if why:
+        return why
     bn = modules[node.target]  # type: ignore[index]
     if len(node.args) != 1 or node.kwargs:
         return "the BatchNorm is called with more than its input"
@@ -313,7 +319,8 @@ def _fused_module(bn: nn.Module, targets: Targets, activation: str, negative_slo
                   memory_saving: bool) -> nn.Module:
     """The fused module in place of ``bn``, sharing its tensors, training flag and attributes."""
     fused = _convert.adopt(bn, targets.fused[type(bn)], targets, False, None)  # type: ignore[arg-type]
-    fused._set_activation(activation, negative_slope, memory_saving and _saves_memory(activation, negative_slope))
+    fused._set_activation(activation, negative_slope,
+                          memory_saving and _activation.invertible(activation, negative_slope))
     return fused
 
 
@@ -386,5 +393,11 @@ def _has_hooks(module: Optional[nn.Module]) -> bool:
     return module is not None and any(getattr(module, key, None) for key in _HOOKS)
 
 
-def _saves_memory(activation: str, negative_slope: float) -> bool:
-    return activation == "identity" or (activation == "leaky_relu" and negative_slope > 0)
+def _unfusable(what: str, activation: str, negative_slope: float) -> str:
+    """Why the fused operators refuse these activation arguments (their check's
+    message, naming ``what``: a LeakyReLU's negative slope), or "" when they take them."""
+    try:
+        _activation.check(what, activation, negative_slope)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return ""

@@ -10,19 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from torch_bn_grad import _lowering, config
-
-
-def _activate(z, activation: str, slope: float):
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "leaky_relu":
-        return F.leaky_relu(z, slope)
-    if activation == "silu":
-        return F.silu(z)
-    return z
+from torch_bn_grad import _activation, _channels, _lowering, config
 
 
 def _act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,
@@ -37,7 +26,7 @@ def _act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation
     z, mean_out, var_out = _lowering.normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
     if residual is not None:
         z = z + residual.to(z.dtype)
-    dst = _activate(z, activation, negative_slope)
+    dst = _activation.activate(z, activation, negative_slope)
     return dst.to(src.dtype).contiguous(memory_format=_lowering.dense_layout(src)), mean_out, var_out
 
 
@@ -55,20 +44,16 @@ def _act_backward(diff_dst, src, dst, residual, mean, variance, gamma, beta, eps
             return _lowering.opaque(op)
         return _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activation, negative_slope,
                                  data_format, output_mask)
-    acc = _lowering.acc_dtype(src)
+    acc = _channels.accumulation_dtype(src)
     dy = diff_dst.to(acc)
-    if activation == "relu":
-        dz = torch.where(dst > 0, dy, 0.0)
-    elif activation == "leaky_relu":
-        dz = torch.where(dst > 0, dy, dy * negative_slope)
-    elif activation == "silu":
+    if activation == "silu":
         z, _, _ = _lowering.normalized(src, gamma, beta, mean, variance, epsilon, data_format, form)
         if residual is not None:
             z = z + residual.to(acc)
         s = torch.sigmoid(z)
         dz = dy * (s * (1 + z * (1 - s)))
     else:
-        dz = dy
+        dz = _activation.gate_from_output(dy, dst, activation, negative_slope)
     param = gamma.to(mean.dtype) if gamma is not None else None
     diff_src, diff_gamma, diff_beta = _lowering.gradients(
         src, dz, mean, variance, param, epsilon, data_format, training, list(output_mask[:3]), form)
@@ -84,7 +69,7 @@ def _gate_is_exact(activation: str, src, dst) -> bool:
         return True
     if activation == "relu":
         return dst is not None
-    return activation == "leaky_relu" and dst is not None and src.dtype not in _lowering.HALF
+    return activation == "leaky_relu" and dst is not None and src.dtype not in _channels.HALF_TYPES
 
 
 def _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activation, negative_slope, data_format,
@@ -96,12 +81,9 @@ def _gate_then_kernel(diff_dst, src, dst, mean, variance, gamma, epsilon, activa
     fused operator read dst and diff_dst whole and copied whichever inductor had laid out
     unlike src (a contiguous model's saved activations next to its channels_last
     convolution outputs)."""
-    if activation == "relu":
-        dz = torch.where(dst > 0, diff_dst, 0)
-    elif activation == "leaky_relu":
-        dz = torch.where(dst > 0, diff_dst, diff_dst * negative_slope)
-    else:
-        dz = diff_dst.clone()
+    dz = _activation.gate_from_output(diff_dst, dst, activation, negative_slope)
+    if dz is diff_dst:  # identity: an output must not alias an input
+        dz = dz.clone()
     dz = dz.contiguous(memory_format=_lowering.dense_layout(src))
     if any(output_mask[:3]):
         diff_src, diff_gamma, diff_beta = torch.ops.torch_bn_grad.batch_norm_backward.default(

@@ -40,15 +40,8 @@ from torch_bn_grad._compat import OpOverload
 
 _warned = False
 
-HALF = (torch.float16, torch.bfloat16)
-_FLOAT = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
 
 # ------------------------------------------------------------------ the rewrites
-def acc_dtype(src: Tensor) -> torch.dtype:
-    return torch.float32 if src.dtype in HALF else src.dtype
-
-
 def dense_layout(src: Tensor) -> Optional[torch.memory_format]:
     """The memory format of ``empty_like(src)`` (what the operator returns) when
     ``src`` is dense in a standard order; None for other strides, which stay opaque."""
@@ -63,7 +56,7 @@ def dense_layout(src: Tensor) -> Optional[torch.memory_format]:
 
 def reduction_form(src: Tensor, ref: Optional[Tensor], data_format: str) -> Optional[tuple[list[int], list[int]]]:
     """(reduced dims, statistics shape) for the operator's arguments, or None to keep it opaque."""
-    if data_format not in ("NCX", "NXC") or src.dtype not in _FLOAT or dense_layout(src) is None:
+    if data_format not in ("NCX", "NXC") or src.dtype not in _channels.FLOAT_TYPES or dense_layout(src) is None:
         return None
     if ref is None:
         if src.dim() < 2:
@@ -105,7 +98,7 @@ def normalized(src, gamma, beta, mean, variance, epsilon, data_format, form):
     """batch_norm_forward's (dst, mean, variance), dst in the accumulation dtype (not yet
     rounded); batch statistics on CPU come from this library's kernel."""
     dims, shape = form
-    acc = acc_dtype(src)
+    acc = _channels.accumulation_dtype(src)
     x = src.to(acc)
     if mean is None and src.device.type == "cpu":
         return __normalized_by_kernel_stats(src, x, gamma, beta, epsilon, data_format, acc)
@@ -145,14 +138,14 @@ def _backward(src, diff_dst, mean, variance, gamma, epsilon, data_format, traini
     form = reduction_form(src, mean, data_format)
     if form is None:
         return opaque(op)
-    return gradients(src, diff_dst.to(acc_dtype(src)), mean, variance, gamma, epsilon, data_format, training,
-                      output_mask, form)
+    return gradients(src, diff_dst.to(_channels.accumulation_dtype(src)), mean, variance, gamma, epsilon,
+                     data_format, training, output_mask, form)
 
 
 def gradients(src, dy, mean, variance, gamma, epsilon, data_format, training, output_mask, form):
     """batch_norm_backward's outputs from diff_dst `dy` given in the accumulation dtype."""
     dims, shape = form
-    acc = acc_dtype(src)
+    acc = _channels.accumulation_dtype(src)
     x = src.to(acc)
     mean_b = _bc(mean, src, data_format, acc)
     rstd = torch.rsqrt(_bc(variance, src, data_format, acc) + epsilon)

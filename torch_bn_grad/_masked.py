@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import _activation, _compat, _onnx
-from torch_bn_grad._checks import check_mask
+from torch_bn_grad._checks import check_mask, check_statistics
 from torch_bn_grad._masked_autograd import FORWARD, FORWARD_ACT, valid_positions
 from torch_bn_grad._running_stats import update_running_stats
 
@@ -38,7 +38,7 @@ def masked_batch_norm(
     """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True."""
     check_mask(op, input, mask)
     if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
-        _check_arguments(running_mean, running_var, training, eps, op)
+        check_statistics(op, training, running_mean, running_var, eps)
         return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
     return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
                       running_mean, running_var, training, momentum, eps, op)
@@ -84,21 +84,13 @@ def _normalize(
 ) -> Tensor:
     """Either masked operator, ``forward(mean, variance)``, with frozen statistics
     (eval) or batch statistics and the running-statistics update (training)."""
-    _check_arguments(running_mean, running_var, training, eps, op)
+    check_statistics(op, training, running_mean, running_var, eps)
     if not training:
         return forward(running_mean, running_var)[0]
     dst, mean, var, count = forward(None, None)
     if running_mean is not None or running_var is not None:
         update_running_stats(running_mean, running_var, mean, var, count, momentum)
     return dst
-
-
-def _check_arguments(running_mean: Optional[Tensor], running_var: Optional[Tensor], training: bool, eps: float,
-                     op: str) -> None:
-    if not training and (running_mean is None or running_var is None):
-        raise ValueError(f"{op}: running_mean and running_var must be given when training=False")
-    if training and not eps > 0:
-        raise ValueError(f"{op}: eps must be positive in training, got {eps}")
 
 
 def masked_add_activate(

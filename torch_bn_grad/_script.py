@@ -21,9 +21,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from torch_bn_grad._checks import check_running_stats, check_training, check_training_eps
 from torch_bn_grad._running_stats import update_with_count_tensor
 
-__all__ = ["module_forward"]
+__all__ = ["module_forward", "count_batch"]
 
 
 def module_forward(
@@ -43,8 +44,7 @@ def module_forward(
     with ``mask``, the masked batch norm of ``functional.batch_norm(..., mask=)``."""
     use_batch_stats = training or (running_mean is None and running_var is None)
     if not use_batch_stats:
-        if running_mean is None or running_var is None:
-            raise ValueError("batch_norm: running_mean and running_var must be given when training=False")
+        check_running_stats("batch_norm", running_mean, running_var)
         if mask is None:
             dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward(
                 input, weight, bias, running_mean, running_var, eps, "NCX"
@@ -56,40 +56,32 @@ def module_forward(
         return dst
     tracking = training and track_running_stats
     if mask is None:
-        factor = _count_batch(num_batches_tracked, tracking, momentum)  # first, as torch's forward
-        if input.dim() < 2:
-            raise ValueError("batch_norm: expected input of rank 2 or more (N, C, *)")
-        size_prods = input.size(0)
-        for size in input.size()[2:]:
-            size_prods *= size
-        if size_prods == 1:
-            raise ValueError("Expected more than 1 value per channel when training, got input size "
-                             + str(input.size()))
-        if not eps > 0:
-            raise ValueError("batch_norm: eps must be positive in training, got " + str(eps))
+        factor = count_batch(num_batches_tracked, tracking, momentum)  # first, as torch's forward
+        check_training("batch_norm", input, eps)
         dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward(input, weight, bias, None, None, eps, "NCX")
         count = torch.full((), input.numel() // max(input.size(1), 1), dtype=torch.float64, device=mean.device)
     else:
-        if not eps > 0:
-            raise ValueError("batch_norm: eps must be positive in training, got " + str(eps))
+        check_training_eps("batch_norm", eps)
         # The operator checks the mask (argument, expected and actual shape or dtype) before
         # anything is written; the batch is counted after it, as the eager forward counts it
         # after _checks.check_mask.
         dst, mean, var, count = torch.ops.torch_bn_grad.batch_norm_masked_forward(
             input, mask, weight, bias, None, None, eps
         )
-        factor = _count_batch(num_batches_tracked, tracking, momentum)
+        factor = count_batch(num_batches_tracked, tracking, momentum)
     if tracking and (running_mean is not None or running_var is not None):
         update_with_count_tensor(running_mean, running_var, mean, var, count, factor)
     return dst
 
 
-def _count_batch(
+def count_batch(
     num_batches_tracked: Optional[Tensor], tracking: bool, momentum: Optional[float]
 ) -> Union[float, Tensor]:
-    """Counts a training batch in ``num_batches_tracked`` and returns the update's
-    momentum: the cumulative average's ``1 / n`` (in float64, as the eager forward)
-    for ``momentum=None``."""
+    """Counts a training batch in ``num_batches_tracked`` (when ``tracking``) and returns
+    the running statistics' update factor: ``momentum``, or for ``momentum=None`` the
+    cumulative average's ``1 / n``, a tensor (so that it traces without a graph break)
+    in float64 (``1 /`` an int64 tensor would be float32, off by 1e-8 relative). The
+    eager modules' ``_statistics`` calls it too."""
     factor: Union[float, Tensor] = 0.0 if momentum is None else momentum
     if tracking and num_batches_tracked is not None:
         num_batches_tracked.add_(1)

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from torch_bn_grad import _channels, _compat, ops, stages
-from torch_bn_grad._checks import check_mask
+from torch_bn_grad._checks import check_mask, check_training_eps
 from torch_bn_grad._compat import functional_collectives as funcol
 from torch_bn_grad._masked_distributed import masked_grad_input, masked_grad_sums, masked_local_stats, masked_normalize
 from torch_bn_grad._running_stats import update_running_stats
@@ -56,8 +56,7 @@ def sync_batch_norm(
     """
     if mask is not None:
         check_mask("sync_batch_norm", input, mask)
-    if not eps > 0:
-        raise ValueError(f"sync_batch_norm: eps must be positive in training, got {eps}")
+    check_training_eps("sync_batch_norm", eps)
     data = input.detach()
     local = stages.batch_norm_local_stats(data) if mask is None else masked_local_stats(data, mask, eps)
     count, mean, variance = group_statistics(local, group)

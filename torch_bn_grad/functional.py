@@ -7,7 +7,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad._checks import check_activation
+from torch_bn_grad import _activation
+from torch_bn_grad._checks import check_running_stats, check_training
 from torch_bn_grad._eager import is_eager
 from torch_bn_grad._masked import masked_batch_norm, masked_batch_norm_act
 from torch_bn_grad._running_stats import forward_update_applies, update_running_stats
@@ -48,7 +49,7 @@ def batch_norm(
     if input.dim() == 1:
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
-        _check_running_stats("batch_norm", running_mean, running_var)
+        check_running_stats("batch_norm", running_mean, running_var)
         if is_eager(input):  # dst alone: no copies of the statistics
             return torch.ops.torch_bn_grad.batch_norm_forward.frozen(
                 input, weight, bias, running_mean, running_var, float(eps), "NCX")
@@ -56,7 +57,7 @@ def batch_norm(
             input, weight, bias, running_mean, running_var, float(eps), "NCX"
         )
         return dst
-    _check_training("batch_norm", input, eps)
+    check_training("batch_norm", input, eps)
     # The operators themselves: their wrappers' Python-type checks are moot here (eps is a checked number).
     if forward_update_applies(input, momentum):  # absent buffers: the update does nothing
         dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.update(
@@ -88,24 +89,6 @@ def _rank1(
         if t is not None and t.numel() != 0:
             raise ValueError(f"batch_norm: {name} should contain 0 elements for a rank-1 input, not {t.numel()}")
     return input.clone()
-
-
-def _check_running_stats(name: str, running_mean: Optional[Tensor], running_var: Optional[Tensor]) -> None:
-    if running_mean is None or running_var is None:
-        raise ValueError(f"{name}: running_mean and running_var must be given when training=False")
-
-
-def _check_training(name: str, input: Tensor, eps: float) -> None:
-    """torch's check (more than one value per channel in training) and a positive eps."""
-    if input.dim() < 2:
-        raise ValueError(f"{name}: expected input of rank 2 or more (N, C, *), got shape {tuple(input.shape)}")
-    size_prods = input.shape[0]
-    for size in input.shape[2:]:
-        size_prods *= size
-    if size_prods == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
-    if not eps > 0:
-        raise ValueError(f"{name}: eps must be positive in training, got {eps}")
 
 
 def _update(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], mean: Tensor,
@@ -149,7 +132,7 @@ def batch_norm_act(
     ``ValueError``), ``weight`` must have no zeros (not checked), and double
     backward is then not available.
     """
-    slope = check_activation("batch_norm_act", activation, negative_slope, memory_saving)
+    slope = _activation.check("batch_norm_act", activation, negative_slope, memory_saving)
     if mask is not None:
         return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
                                      residual, activation, slope)
@@ -157,7 +140,7 @@ def batch_norm_act(
     if input.dim() == 1:  # only an empty input is valid: an empty output
         return _rank1(input, running_mean, running_var, weight, bias, training)
     if not training:
-        _check_running_stats("batch_norm_act", running_mean, running_var)
+        check_running_stats("batch_norm_act", running_mean, running_var)
         if is_eager(input):  # as in batch_norm
             return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen(
                 input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope, "NCX",
@@ -165,7 +148,7 @@ def batch_norm_act(
         dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
                        "NCX", bool(memory_saving))
         return dst
-    _check_training("batch_norm_act", input, eps)
+    check_training("batch_norm_act", input, eps)
     if forward_update_applies(input, momentum):  # as in batch_norm: the forward and the update in one call
         dst, _, _ = torch.ops.torch_bn_grad.batch_norm_act_forward.update(
             input, weight, bias, running_mean, running_var, residual, momentum, float(eps), activation, slope,

@@ -76,14 +76,8 @@ class FusedForward:
         training, momentum = self.training, self.momentum
         buffers = self._buffers
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
-        factor: Union[float, Tensor] = 0.0 if momentum is None else momentum
-        if training and self.track_running_stats:
-            tracked = buffers.get("num_batches_tracked")
-            if tracked is not None:
-                tracked.add_(1)
-                if momentum is None:
-                    # float64: 1 / an int64 tensor would be float32, off by 1e-8 relative.
-                    factor = 1.0 / tracked.double()
+        factor = _script.count_batch(buffers.get("num_batches_tracked"), training and self.track_running_stats,
+                                     momentum)
         if not training:
             return running_mean, running_var, running_mean is None and running_var is None, factor
         if not self.track_running_stats:
@@ -204,9 +198,10 @@ class ActForward(FusedForward):
         self._set_activation(activation, negative_slope, memory_saving)
 
     def _set_activation(self, activation: str, negative_slope: float, memory_saving: bool) -> None:
-        _activation.check(activation, negative_slope, memory_saving, type(self).__name__)
+        # The operators' check, at construction: a module that builds also runs.
+        slope = _activation.check(type(self).__name__, activation, negative_slope, memory_saving)
         self.activation = activation
-        self.negative_slope = float(negative_slope)
+        self.negative_slope = slope
         self.memory_saving = bool(memory_saving)
 
     def forward(  # type: ignore[override]
