@@ -291,7 +291,7 @@ def test_block_in_train_mode_with_momentum_none():
 
 def test_every_activation_has_a_torch_module():
     for name in _activation.ACTIVATIONS:
-        module = _revert.activation_module(name, 0.25)
+        module = _activation.torch_module(name, 0.25)
         y = torch.linspace(-2, 2, 9)
         torch.testing.assert_close(module(y), _activation.activate(y, name, 0.25))
 
@@ -300,4 +300,4 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match=r"revert_batchnorm: module must be a torch.nn.Module, got dict"):
         torch_bn_grad.revert_batchnorm({})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"activation must be one of .* got 'gelu'"):
-        _revert.activation_module("gelu", 0.01)
+        _activation.torch_module("gelu", 0.01)

@@ -15,6 +15,25 @@ from torch import Tensor
 
 ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
 
+# torch's module class and function of each activation but identity, whose
+# torch form is nn.Identity and no call at all: what convert_batchnorm(fuse=True)
+# recognizes and revert_batchnorm puts back.
+TORCH_MODULES: dict[str, type[torch.nn.Module]] = {
+    "relu": torch.nn.ReLU, "leaky_relu": torch.nn.LeakyReLU, "silu": torch.nn.SiLU}
+TORCH_FUNCTIONS = {
+    "relu": torch.nn.functional.relu, "leaky_relu": torch.nn.functional.leaky_relu, "silu": torch.nn.functional.silu}
+
+
+def torch_module(activation: str, negative_slope: float) -> torch.nn.Module:
+    """torch's module for the named activation (``nn.Identity`` for identity)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    if activation == "identity":
+        return torch.nn.Identity()
+    if activation == "leaky_relu":
+        return torch.nn.LeakyReLU(negative_slope)
+    return TORCH_MODULES[activation]()
+
 
 def check(op: str, activation: object, negative_slope: object, inverted: bool = False,
           flag: str = "memory_saving") -> float:

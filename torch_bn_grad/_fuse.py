@@ -52,7 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch_bn_grad import _activation, _convert
 from torch_bn_grad._convert import Targets
 
-_ACT_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
+_ACT_MODULES = {module: name for name, module in _activation.TORCH_MODULES.items()}
 _ACT_FUNCTIONS = {F.relu: "relu", F.relu_: "relu", torch.relu: "relu", torch.relu_: "relu",
                   F.leaky_relu: "leaky_relu", F.leaky_relu_: "leaky_relu", F.silu: "silu"}
 _ACT_METHODS = {"relu": "relu", "relu_": "relu"}

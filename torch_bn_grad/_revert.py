@@ -37,17 +37,16 @@ from __future__ import annotations
 import operator
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, fx
 from torch import nn as torch_nn
 
-from torch_bn_grad import _convert
+from torch_bn_grad import _activation, _convert
 from torch_bn_grad import nn as ours
 
-__all__ = ["BatchNormActSequential", "TORCH_CLASS", "activation_module", "activation_node", "fused_call",
+__all__ = ["BatchNormActSequential", "TORCH_CLASS", "activation_node", "fused_call",
            "revert_batchnorm"]
 
 
@@ -62,36 +61,17 @@ def _torch_classes() -> dict[type, type]:
 # This library's classes -> torch's (the fused ones -> the batch norm they fuse).
 TORCH_CLASS: dict[type, type] = _torch_classes()
 
-# An activation's module and function, by the fused modules' names (``_activation.ACTIVATIONS``).
-_ACTIVATIONS: dict[str, tuple[Callable[[float], torch_nn.Module], Optional[Callable[..., Tensor]]]] = {
-    "identity": (lambda slope: torch_nn.Identity(), None),
-    "relu": (lambda slope: torch_nn.ReLU(), F.relu),
-    "leaky_relu": (lambda slope: torch_nn.LeakyReLU(slope), F.leaky_relu),
-    "silu": (lambda slope: torch_nn.SiLU(), F.silu),
-}
-
 # What a module's forward and backward hooks live in (state_dict hooks stay with the batch norm).
 _CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
                "_is_full_backward_hook")
 
 
-def _known(activation: str) -> tuple[Callable[[float], torch_nn.Module], Optional[Callable[..., Tensor]]]:
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"revert_batchnorm: activation must be one of {tuple(_ACTIVATIONS)}, got {activation!r}")
-    return _ACTIVATIONS[activation]
-
-
-def activation_module(activation: str, negative_slope: float) -> torch_nn.Module:
-    """torch's module for a fused module's ``activation`` (``nn.Identity`` for identity)."""
-    return _known(activation)[0](negative_slope)
-
-
 def activation_node(graph: fx.Graph, x: fx.Node, activation: str, negative_slope: float) -> fx.Node:
     """``x`` through torch's function for ``activation``, added to ``graph`` (``x`` itself for identity)."""
-    function = _known(activation)[1]
-    if function is None:
+    if activation == "identity":
         return x
+    function = _activation.TORCH_FUNCTIONS[activation]
     args: tuple = (x, negative_slope) if activation == "leaky_relu" else (x,)
     return graph.call_function(function, args)
 
@@ -161,7 +141,7 @@ class _Reversion:
             if sequential and _splits(child) and id(child) not in self.kept and not _has_call_hooks(child) \
                     and type(after) is torch_nn.Identity and not _has_call_hooks(after):
                 setattr(module, child_name, self._batch_norm(child))
-                act = activation_module(child.activation, child.negative_slope).train(after.training)
+                act = _activation.torch_module(child.activation, child.negative_slope).train(after.training)
                 setattr(module, children[index + 1][0], act)
                 continue
             new_child = self.tree(child, path)
@@ -190,7 +170,7 @@ class _Reversion:
         bn = self._batch_norm(module)
         if not _splits(module):
             return bn
-        act = activation_module(module.activation, module.negative_slope).train(module.training)
+        act = _activation.torch_module(module.activation, module.negative_slope).train(module.training)
         pair = BatchNormActSequential(bn, act).train(module.training)
         for key in _CALL_HOOKS:  # they saw the activation's output: the pair's
             if key in bn.__dict__:
