@@ -20,7 +20,6 @@ or when asked (``TORCH_BN_GRAD_CUDA=1`` or ``TORCH_CUDA_ARCH_LIST``), see
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import hashlib
 import logging
 import os
@@ -57,7 +56,8 @@ from torch.utils.cpp_extension import (  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
-import cpu_build  # noqa: E402  (this folder's build helpers, not installed)
+import build_sources  # noqa: E402  (this folder's build helpers, not installed)
+import cpu_build  # noqa: E402
 import cuda_build  # noqa: E402
 
 # C++20 is named, not left to torch.utils.cpp_extension: torch 2.13 defaults to it,
@@ -73,7 +73,7 @@ CPU_ISAS = cpu_build.isas(torch.backends.cpu.get_cpu_capability())
 # The compiler flags of each copy of the kernel sources this build makes.
 KERNEL_COPY_FLAGS = {isa: cpu_build.flags(isa, CPU_ISAS) for isa in CPU_ISAS}
 
-KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
+KERNEL_SOURCES = [os.path.join(ROOT, path) for path in build_sources.kernel_sources()]
 # The heavy headers most of the other C++ sources include (Python.h first, as
 # Python asks), precompiled once for all of them with GCC: parsing them is a
 # large part of each source's compile. TORCH_BN_GRAD_PCH=0 compiles without.
@@ -152,13 +152,19 @@ class BuildInOneQueue(BuildExtension):
         by_source = dict(zip([t[0][0] for t in tasks if t[1] == "generic"], generic_objects))
         ordered = [by_source[s] for s in generic] + isa_objects  # generic in source order, then default ISA first
 
-        # setuptools links what the queue compiled; its own compile call returns those objects.
-        ninja_compile = self.compiler.compile
-        self.compiler.compile = lambda *args, **kwargs: ordered
-        try:
-            super().build_extension(ext)
-        finally:
-            self.compiler.compile = ninja_compile
+        self._link(ext, ordered)
+
+    def _link(self, ext, objects: list[str]) -> None:
+        """Link the queue's objects into the extension, as setuptools'
+        build_extension would after its own (single-ninja) compile."""
+        ext_path = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(os.path.abspath(ext_path)), exist_ok=True)
+        self.compiler.link_shared_object(
+            objects + list(ext.extra_objects or []), ext_path,
+            libraries=self.get_libraries(ext), library_dirs=ext.library_dirs,
+            runtime_library_dirs=ext.runtime_library_dirs, extra_postargs=ext.extra_link_args or [],
+            export_symbols=self.get_export_symbols(ext), debug=self.debug, build_temp=self.build_temp,
+            target_lang="c++")
 
     def _precompiled_header(self, ext, cxx: list[str]) -> str | None:
         """torch's headers precompiled with the generic sources' flags; the
@@ -184,11 +190,7 @@ class BuildInOneQueue(BuildExtension):
 
 
 def _extension():
-    # csrc/ by idea (csrc/README.md): the schemas on top, argument checks and
-    # layouts, autograd, the CPU operators; the per-ISA kernels are KERNEL_SOURCES.
-    sources = []
-    for folder in ("", "args", "autograd", "cpu"):
-        sources += sorted(glob.glob(os.path.join("csrc", folder, "*.cpp")))
+    sources = build_sources.generic_sources()  # the per-ISA kernels are KERNEL_SOURCES
     print(cpu_build.describe(CPU_ISAS))
     isa_defines = cpu_build.generic_defines(CPU_ISAS)
     kwargs = dict(
@@ -198,7 +200,7 @@ def _extension():
         py_limited_api=False,
     )
     if _with_cuda():
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        sources += build_sources.cuda_sources()
         if _CUDA_PLAN.arch_list:
             os.environ["TORCH_CUDA_ARCH_LIST"] = _CUDA_PLAN.arch_list
         kwargs["library_dirs"] = list(_CUDA_PLAN.library_dirs)
@@ -218,7 +220,7 @@ def _extension():
     else:
         ext = CppExtension(sources=sources, extra_compile_args={"cxx": CXX_FLAGS + isa_defines}, **kwargs)
     # Headers and kernel sources too: a change to any of them relinks.
-    ext.depends = sorted(glob.glob(os.path.join("csrc", "**", "*.*"), recursive=True))
+    ext.depends = build_sources.dependencies()
     return ext
 
 
@@ -229,7 +231,7 @@ setup(
     packages=find_packages(include=["torch_bn_grad", "torch_bn_grad.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildInOneQueue},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=["torch"],
     extras_require={"test": ["pytest", "hypothesis", "numpy"], "plot": ["matplotlib"]},
 )

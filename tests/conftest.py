@@ -1,4 +1,5 @@
-"""The device parametrization shared by the tests.
+"""The device parametrization shared by the tests, and each pytest-xdist
+worker's share of the CPUs.
 
 A test that takes a ``device`` argument runs once per entry of
 ``reference.DEVICES``: on the CPU, and on CUDA where it is available. Where it
@@ -7,6 +8,8 @@ whose tests all need a GPU, is not collected.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,6 +25,16 @@ def device(request: pytest.FixtureRequest) -> str:
 
     Session-scoped so that hypothesis tests may take it too."""
     return request.param
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n auto``), each worker takes its share of the
+    CPUs for torch's intra-op threads: workers that each start one thread per
+    CPU oversubscribe the machine, and OpenMP's spinning threads then wait on
+    each other. Tests that need a given thread count set it themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -14,7 +14,6 @@ Skipped where every copy was compiled (nothing left to check).
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import os
 import subprocess
 import sys
@@ -27,9 +26,10 @@ import torch_bn_grad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import build_sources  # noqa: E402  (the build's own sources)
 import cpu_build  # noqa: E402  (the build's own choice of copies and flags)
 
-KERNEL_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "kernels", "*.cpp")))
+KERNEL_SOURCES = [os.path.join(ROOT, path) for path in build_sources.kernel_sources()]
 LEFT_OUT = [isa for isa in cpu_build.ISA_FLAGS if isa not in torch_bn_grad.compiled_cpu_kernel_isas()]
 TIMEOUT_S = 600
 

@@ -1,0 +1,46 @@
+"""The sources setup.py compiles, found under ``csrc/`` (imported by setup.py
+and the build tests; not installed), so that a new file or folder is built
+without being listed anywhere.
+
+* every ``.cpp`` under ``csrc/`` is compiled once, except the per-ISA kernels
+  in ``csrc/cpu/kernels/``, which setup.py compiles once per instruction set
+  (cpu_build.py says which);
+* every ``.cu`` under ``csrc/`` is compiled where CUDA kernels are built;
+* every file under ``csrc/`` is a dependency: a change to any of them relinks.
+
+Paths are relative to the repository root, in sorted order, so that the link
+order (and with it the binary) depends on the tree alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+KERNEL_DIR = os.path.join("csrc", "cpu", "kernels")
+
+
+def _under_csrc(pattern: str, root: str) -> list[str]:
+    found = glob.glob(os.path.join("csrc", "**", pattern), root_dir=root, recursive=True)
+    return sorted(path for path in found if os.path.isfile(os.path.join(root, path)))
+
+
+def kernel_sources(root: str = ROOT) -> list[str]:
+    """The per-ISA kernel sources (compiled once per instruction set)."""
+    return [path for path in _under_csrc("*.cpp", root) if os.path.dirname(path) == KERNEL_DIR]
+
+
+def generic_sources(root: str = ROOT) -> list[str]:
+    """The C++ sources compiled once: every ``.cpp`` under csrc/ but the kernels."""
+    return [path for path in _under_csrc("*.cpp", root) if os.path.dirname(path) != KERNEL_DIR]
+
+
+def cuda_sources(root: str = ROOT) -> list[str]:
+    """The CUDA sources."""
+    return _under_csrc("*.cu", root)
+
+
+def dependencies(root: str = ROOT) -> list[str]:
+    """Every file under csrc/ (headers included)."""
+    return _under_csrc("*.*", root)
