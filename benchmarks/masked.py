@@ -1,7 +1,9 @@
 """Masked batch norm on padded batches: one module training step (forward and
 backward) of the masked BatchNorm1d, against this library's unmasked
-BatchNorm1d on the same tensor and against the gather -> torch BatchNorm1d ->
-scatter workaround.
+BatchNorm1d on the same tensor, against the gather -> torch BatchNorm1d ->
+scatter workaround and against ``torch_ops``: a masked BatchNorm1d written
+from torch operations as PyTorch code usually writes one (masked sums,
+E[x^2] - E[x]^2, ``benchmarks/masked_torch_ops.py``).
 
 With ``--activation``, the fused BatchNormAct1d with a residual instead (the
 workaround adds the residual and applies the activation after the scatter),
@@ -35,11 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks._per_call import alternating_medians_us  # noqa: E402
+from benchmarks.masked_torch_ops import TorchOpsMaskedBatchNorm1d  # noqa: E402
 CASES = [((32, 256, 400), torch.float32), ((16, 144, 1000), torch.float32), ((32, 256, 400), torch.bfloat16)]
 
 
 def variants(activation: Optional[str]) -> tuple[str, ...]:
-    return ("masked", "unmasked", "workaround") + (("composed",) if activation else ())
+    return ("masked", "unmasked", "workaround", "torch_ops") + (("composed",) if activation else ())
 
 
 def make_steps(shape: tuple, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
@@ -55,6 +58,7 @@ def make_steps(shape: tuple, dtype: torch.dtype, device: str = "cpu", seed: int 
     x = torch.randn(shape, generator=g).to(device, dtype).requires_grad_()
     dy = torch.randn(shape, generator=g).to(device, dtype)
     torch_bn = torch.nn.BatchNorm1d(c).to(device, dtype)
+    torch_ops_bn = TorchOpsMaskedBatchNorm1d(c).to(device, dtype)
     finish = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if activation is None:
         ours = torch_bn_grad.nn.BatchNorm1d(c).to(device, dtype)
@@ -86,7 +90,13 @@ def make_steps(shape: tuple, dtype: torch.dtype, device: str = "cpu", seed: int 
         out.backward(dy)
         finish()
 
-    steps = {"masked": masked, "unmasked": unmasked, "workaround": workaround}
+    def torch_ops() -> object:
+        out = torch_ops_bn(x, mask)
+        out = torch.where(mask.unsqueeze(1), epilogue(out), 0) if activation else out
+        out.backward(dy)
+        finish()
+
+    steps = {"masked": masked, "unmasked": unmasked, "workaround": workaround, "torch_ops": torch_ops}
     if activation is not None:
         def composed() -> object:
             masked_add_activate(plain(x, mask), mask, residual, activation, ours.negative_slope).backward(dy)
@@ -145,6 +155,9 @@ def main() -> None:
         merged["masked_over_unmasked_range"] = [min(ratios), max(ratios)]
         merged["speedup_over_workaround"] = statistics.median(speedups)
         merged["speedup_over_workaround_range"] = [min(speedups), max(speedups)]
+        over_ops = [run[i]["torch_ops"] / run[i]["masked"] for run in runs]
+        merged["speedup_over_torch_ops"] = statistics.median(over_ops)
+        merged["speedup_over_torch_ops_range"] = [min(over_ops), max(over_ops)]
         if args.activation:
             fusion = [run[i]["composed"] / run[i]["masked"] for run in runs]
             merged["speedup_over_composed"] = statistics.median(fusion)
@@ -156,13 +169,15 @@ def main() -> None:
           f"x {args.iters} steps, ms")
     composed = f" {'composed':>9} {'composed/masked':>16}" if args.activation else ""
     print(f"{'shape':>16} {'dtype':>9} {'masked':>8} {'unmasked':>9} {'workaround':>11} {'masked/unmasked':>16} "
-          f"{'workaround/masked':>18}{composed}")
+          f"{'workaround/masked':>18} {'torch_ops':>9} {'torch_ops/masked':>17}{composed}")
     for r in rows:
         lo, hi = r["masked_over_unmasked_range"]
         slo, shi = r["speedup_over_workaround_range"]
+        olo, ohi = r["speedup_over_torch_ops_range"]
         line = (f"{str(tuple(r['shape'])):>16} {r['dtype']:>9} {r['masked']:8.2f} {r['unmasked']:9.2f} "
                 f"{r['workaround']:11.2f} {r['masked_over_unmasked']:6.2f} ({lo:.2f}-{hi:.2f}) "
-                f"{r['speedup_over_workaround']:7.2f} ({slo:.2f}-{shi:.2f})")
+                f"{r['speedup_over_workaround']:7.2f} ({slo:.2f}-{shi:.2f}) {r['torch_ops']:9.2f} "
+                f"{r['speedup_over_torch_ops']:6.2f} ({olo:.2f}-{ohi:.2f})")
         if args.activation:
             clo, chi = r["speedup_over_composed_range"]
             line += f" {r['composed']:9.2f} {r['speedup_over_composed']:6.2f} ({clo:.2f}-{chi:.2f})"

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch_bn_grad import _activation
 from torch_bn_grad._checks import check_running_stats, check_training
 from torch_bn_grad._eager import is_eager
+from torch_bn_grad._lengths import resolve_mask
 from torch_bn_grad._masked import masked_batch_norm, masked_batch_norm_act
 from torch_bn_grad._running_stats import forward_update_applies, update_running_stats
 
@@ -27,6 +28,7 @@ def batch_norm(
     eps: float = 1e-5,
     *,
     mask: Optional[Tensor] = None,
+    lengths: Optional[Tensor] = None,
 ) -> Tensor:
     """Batch normalization over the channel axis 1 of ``input`` (N, C, *).
 
@@ -43,7 +45,11 @@ def batch_norm(
     positions only; padded positions output 0 and get gradient 0, whatever
     they hold; a batch without valid positions outputs zeros and leaves the
     running statistics untouched.
+
+    ``lengths`` (instead of ``mask``, for (N, C, L) input): integer (N,), sample i
+    valid at positions ``[0, lengths[i])``; the mask is made on the device.
     """
+    mask = resolve_mask("batch_norm", input, mask, lengths)
     if mask is not None:
         return masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
     if input.dim() == 1:
@@ -114,10 +120,11 @@ def batch_norm_act(
     negative_slope: float = 0.01,
     memory_saving: bool = False,
     mask: Optional[Tensor] = None,
+    lengths: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused ``act(batch_norm(input, ...) + residual)``, one pass over the data each way.
 
-    ``mask`` as in :func:`batch_norm`: padded positions output 0 whatever
+    ``mask`` or ``lengths`` as in :func:`batch_norm`: padded positions output 0 whatever
     ``residual`` holds there. The masked form is one fused operator on the CPU
     (on CUDA, and for a broadcast residual, masked batch norm then torch
     operations) and ignores ``memory_saving``.
@@ -133,6 +140,7 @@ def batch_norm_act(
     backward is then not available.
     """
     slope = _activation.check("batch_norm_act", activation, negative_slope, memory_saving)
+    mask = resolve_mask("batch_norm_act", input, mask, lengths)
     if mask is not None:
         return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
                                      residual, activation, slope)

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, functional
+from torch_bn_grad._lengths import resolve_mask
 from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad._checks import check_mask
 from torch_bn_grad._masked import masked_add_activate, masked_batch_norm, masked_batch_norm_act
@@ -41,12 +42,14 @@ class FusedForward:
         parameters = self._parameters
         return parameters.get("weight"), parameters.get("bias")
 
-    def forward(self, input: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, input: Tensor, mask: Optional[Tensor] = None, lengths: Optional[Tensor] = None) -> Tensor:
         """``mask`` (padded batches, see :func:`torch_bn_grad.functional.batch_norm`): bool
-        of ``input``'s shape without dim 1, True at valid positions."""
+        of ``input``'s shape without dim 1, True at valid positions; or, for (N, C, L)
+        input, ``lengths``: int (N,), sample i valid at positions ``[0, lengths[i])``."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant: TorchScript compiles this branch only
-            return self._scripted_normalize(input, mask)
+            return self._scripted_normalize(input, resolve_mask("batch_norm", input, mask, lengths))
+        mask = resolve_mask(type(self).__name__, input, mask, lengths)
         if mask is not None:  # no torch forward for graph tools: torch has no masked batch norm
             check_mask(type(self).__name__, input, mask)  # before num_batches_tracked counts the batch
             return self._normalize_masked(input, mask, self._statistics())
@@ -205,17 +208,20 @@ class ActForward(FusedForward):
         self.memory_saving = bool(memory_saving)
 
     def forward(  # type: ignore[override]
-        self, input: Tensor, residual: Optional[Tensor] = None, mask: Optional[Tensor] = None
+        self, input: Tensor, residual: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+        lengths: Optional[Tensor] = None,
     ) -> Tensor:
-        """``mask`` as in :meth:`BatchNorm1d.forward`: padded positions output 0, whatever
-        ``residual`` holds there (one fused operator on the CPU, see
+        """``mask`` or ``lengths`` as in :meth:`BatchNorm1d.forward`: padded positions output 0,
+        whatever ``residual`` holds there (one fused operator on the CPU, see
         :func:`torch_bn_grad.functional.batch_norm_act`)."""
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant, as in FusedForward.forward
+            mask = resolve_mask("batch_norm_act", input, mask, lengths)
             y = self._scripted_normalize(input, mask)
             if mask is not None:
                 return masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
             return self._add_activate(y, residual)
+        mask = resolve_mask(type(self).__name__, input, mask, lengths)
         if mask is not None:
             check_mask(type(self).__name__, input, mask)
             return self._normalize_masked_act(input, residual, mask, self._statistics())
