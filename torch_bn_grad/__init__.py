@@ -16,6 +16,7 @@ from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the
 from torch_bn_grad import _autograd, _fake, _masked_autograd, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
 from torch_bn_grad import config, functional, memory, nn, stages
 from torch_bn_grad import _inductor
+from torch_bn_grad import _export_decomp  # noqa: F401  (the eval forward as torch.export records it)
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad.ops import batch_norm_act_backward, batch_norm_act_forward, batch_norm_backward, batch_norm_forward

@@ -52,6 +52,9 @@ def batch_norm(
         if is_eager(input):  # dst alone: no copies of the statistics
             return torch.ops.torch_bn_grad.batch_norm_forward.frozen(
                 input, weight, bias, running_mean, running_var, float(eps), "NCX")
+        if torch.compiler.is_exporting():  # decomposable to core ATen, see _export_decomp.py
+            return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
+                input, weight, bias, running_mean, running_var, float(eps))
         dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.default(
             input, weight, bias, running_mean, running_var, float(eps), "NCX"
         )
@@ -162,6 +165,9 @@ def batch_norm_act(
             return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen(
                 input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope, "NCX",
                 bool(memory_saving))
+        if torch.compiler.is_exporting():  # as in batch_norm
+            return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite(
+                input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope)
         dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
                        "NCX", bool(memory_saving))
         return dst
