@@ -155,6 +155,17 @@ def test_masked_padding_is_zero_in_the_decomposed_program():
     torch.testing.assert_close(y, model(x, mask))
 
 
+def test_strict_export_of_a_fused_model_decomposes_too():
+    model = _randomized(torch_bn_grad.convert_batchnorm(
+        torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()), fuse=True))
+    x = torch.randn(2, 3, 8, 8)
+    program = torch.export.export(model, (x,), strict=True)
+    assert _ours(program) == [ACT_FROZEN]
+    decomposed = program.run_decompositions()
+    assert _ours(decomposed) == [] and NATIVE in _targets(decomposed)
+    torch.testing.assert_close(decomposed.module()(x), model(x))
+
+
 def test_the_overload_can_be_kept():
     """As for any CompositeImplicitAutograd operator, deleting it from the table keeps it."""
     program = torch.export.export(_randomized(_conv_bn_relu()), (torch.randn(2, 3, 8, 8),))

@@ -53,6 +53,8 @@ ACT_FORWARD = torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite
 
 def _forward(src: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], mean: Tensor, variance: Tensor,
              epsilon: float, mask: Optional[Tensor] = None) -> Tensor:
+    """The kernel: eagerly the library's eval forward; traced, the tracer's entry for the
+    overload (inductor's), else the forward in torch operators (run_decompositions)."""
     if is_eager(src):
         return functional.batch_norm(src, mean, variance, gamma, beta, False, 0.0, epsilon, mask=mask)
     rewrite = _compat.tracer_decomposition(FORWARD)
@@ -64,6 +66,7 @@ def _forward(src: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], mean:
 def _act_forward(src: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], mean: Tensor, variance: Tensor,
                  residual: Optional[Tensor], epsilon: float, activation: str, negative_slope: float,
                  mask: Optional[Tensor] = None) -> Tensor:
+    """As ``_forward``."""
     if is_eager(src):
         return functional.batch_norm_act(src, mean, variance, gamma, beta, False, 0.0, epsilon, residual=residual,
                                          activation=activation, negative_slope=negative_slope, mask=mask)
