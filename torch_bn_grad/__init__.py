@@ -14,8 +14,9 @@ import torch  # noqa: F401  (loads libc10/libtorch, which the extension links ag
 
 from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
 from torch_bn_grad import _autograd, _fake, _masked_autograd, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
-from torch_bn_grad import config, functional, memory, nn, stages
+from torch_bn_grad import config, errors, functional, memory, nn, stages
 from torch_bn_grad import _inductor
+from torch_bn_grad import _export_decomp  # noqa: F401  (the eval forward as torch.export records it)
 from torch_bn_grad.autograd import BatchNormFunction
 from torch_bn_grad.nn import convert_batchnorm
 from torch_bn_grad._fold import fold_conv_batchnorm
@@ -37,6 +38,7 @@ __all__ = [
     "batch_norm_backward",
     "batch_norm_forward",
     "convert_batchnorm",
+    "errors",
     "fold_conv_batchnorm",
     "functional",
     "memory",

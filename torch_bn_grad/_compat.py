@@ -268,6 +268,16 @@ def has_kernel(op_name: str, dispatch_key: str) -> bool:
 _dispatch_has_kernel_for_dispatch_key = _lookup("torch._C", "_dispatch_has_kernel_for_dispatch_key")
 
 
+def tracer_decomposition(op: Any) -> Optional[Callable]:
+    """``op``'s entry in the decomposition table of the make_fx tracer now recording
+    (inductor's under torch.compile and AOTInductor), or None. Functionalization
+    decomposes a CompositeImplicitAutograd operator before that tracer sees it,
+    so the operator's kernel looks its entry up itself (_export_decomp.py)."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    table = getattr(mode, "decomposition_table", None)
+    return None if table is None else table.get(op)
+
+
 # Quantization (FX leaves, fusion and backend tables, _quantization.py).
 def quantization_internals() -> dict[str, Any]:
     """The private quantization tables and classes that _quantization.py extends, checked.

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm  # bound here: programs rebind torch.nn's
 from torch.nn.modules.lazy import LazyModuleMixin
 
 TIMM_NORM_ACT = "timm.layers.norm_act"
@@ -119,16 +120,16 @@ class Conversion:
         if isinstance(module, LazyModuleMixin):
             skipped.lazy.append(described)
             return None
-        to_sync = self.sync or isinstance(module, torch.nn.SyncBatchNorm)
+        to_sync = self.sync or isinstance(module, _TorchSyncBatchNorm)
         base = targets.sync if to_sync else targets.forward
-        if kind in targets.plain or kind is torch.nn.SyncBatchNorm:
+        if kind in targets.plain or kind is _TorchSyncBatchNorm:
             target = targets.sync if to_sync else targets.plain[kind]
         elif is_timm_norm_act(kind):
             target = derived(kind, base, act=True)
         elif not self.subclasses:
             skipped.subclasses.append(described)
             return None
-        elif kind.forward in (_BatchNorm.forward, torch.nn.SyncBatchNorm.forward):
+        elif kind.forward in (_BatchNorm.forward, _TorchSyncBatchNorm.forward):
             target = derived(kind, base, act=False)
         else:
             skipped.own_forward.append(described)

@@ -40,6 +40,10 @@ def masked_batch_norm(
     if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
         check_statistics(op, training, running_mean, running_var, eps)
         return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
+    if not training and torch.compiler.is_exporting():  # see _export_decomp.py
+        _check_arguments(running_mean, running_var, training, eps, op)
+        return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
+            input, weight, bias, running_mean, running_var, float(eps), mask)
     return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
                       running_mean, running_var, training, momentum, eps, op)
 
@@ -63,14 +67,25 @@ def masked_batch_norm_act(
     ``residual`` holds there: one fused operator on the CPU (a residual of
     ``input``'s shape, dtype and device, or none), else (CUDA, ONNX export)
     composed (:func:`masked_add_activate`)."""
-    if input.device.type != "cpu" or not _activation.fuses_residual(input, residual) or _compat.in_onnx_export():
+    if not fused_masked_act(input, residual) or _compat.in_onnx_export():
         y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op)
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     check_mask(op, input, mask)
+    if not training and torch.compiler.is_exporting():  # see _export_decomp.py
+        _check_arguments(running_mean, running_var, training, eps, op)
+        return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite(
+            input, weight, bias, running_mean, running_var, residual, float(eps), activation, float(negative_slope),
+            mask)
     return _normalize(
         lambda mean, var: FORWARD_ACT(input, mask, weight, bias, mean, var, residual, float(eps), activation,
                                       float(negative_slope)),
         running_mean, running_var, training, momentum, eps, op)
+
+
+def fused_masked_act(input: Tensor, residual: Optional[Tensor]) -> bool:
+    """Whether the masked fused forward is one operator: on the CPU, for a residual it
+    takes as it is (elsewhere masked batch norm, then ``masked_add_activate``)."""
+    return input.device.type == "cpu" and _activation.fuses_residual(input, residual)
 
 
 def _normalize(

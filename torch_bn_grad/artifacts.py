@@ -27,7 +27,9 @@ from torch_bn_grad import _compat
 
 __all__ = ["load", "load_package", "required_operators"]
 
-_NAME = re.compile(rb"torch_bn_grad(?:::|\.)(batch_norm_[a-z_]+)")
+# A call's target (``torch.ops.torch_bn_grad.<name>`` in a program, ``torch_bn_grad::<name>`` in a
+# package), not the provenance metadata of a decomposed program, which names the operator it came from.
+_NAME = re.compile(rb"(?:torch\.ops\.torch_bn_grad\.|torch_bn_grad::)(batch_norm_[a-z_]+)")
 
 PathOrFile = Union[str, os.PathLike, IO[bytes]]
 

@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation
+from torch_bn_grad import _activation, errors
 from torch_bn_grad._checks import check_running_stats, check_training
 from torch_bn_grad._eager import is_eager
 from torch_bn_grad._lengths import resolve_mask
@@ -49,30 +49,36 @@ def batch_norm(
     ``lengths`` (instead of ``mask``, for (N, C, L) input): integer (N,), sample i
     valid at positions ``[0, lengths[i])``; the mask is made on the device.
     """
-    mask = resolve_mask("batch_norm", input, mask, lengths)
-    if mask is not None:
-        return masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
-    if input.dim() == 1:
-        return _rank1(input, running_mean, running_var, weight, bias, training)
-    if not training:
-        check_running_stats("batch_norm", running_mean, running_var)
-        if is_eager(input):  # dst alone: no copies of the statistics
-            return torch.ops.torch_bn_grad.batch_norm_forward.frozen(
-                input, weight, bias, running_mean, running_var, float(eps), "NCX")
-        dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.default(
-            input, weight, bias, running_mean, running_var, float(eps), "NCX"
-        )
+    try:
+        mask = resolve_mask("batch_norm", input, mask, lengths)
+        if mask is not None:
+            return masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
+        if input.dim() == 1:
+            return _rank1(input, running_mean, running_var, weight, bias, training)
+        if not training:
+            check_running_stats("batch_norm", running_mean, running_var)
+            if is_eager(input):  # dst alone: no copies of the statistics
+                return torch.ops.torch_bn_grad.batch_norm_forward.frozen(
+                    input, weight, bias, running_mean, running_var, float(eps), "NCX")
+            if torch.compiler.is_exporting():  # decomposable to core ATen, see _export_decomp.py
+                return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
+                    input, weight, bias, running_mean, running_var, float(eps))
+            dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.default(
+                input, weight, bias, running_mean, running_var, float(eps), "NCX"
+            )
+            return dst
+        check_training("batch_norm", input, eps)
+        # The operators themselves: their wrappers' Python-type checks are moot here (eps is a checked number).
+        if forward_update_applies(input, momentum):  # absent buffers: the update does nothing
+            dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.update(
+                input, weight, bias, running_mean, running_var, momentum, float(eps), "NCX")
+            return dst
+        dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(
+            input, weight, bias, None, None, float(eps), "NCX")
+        _update(input, running_mean, running_var, mean, var, momentum)
         return dst
-    check_training("batch_norm", input, eps)
-    # The operators themselves: their wrappers' Python-type checks are moot here (eps is a checked number).
-    if forward_update_applies(input, momentum):  # absent buffers: the update does nothing
-        dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.update(
-            input, weight, bias, running_mean, running_var, momentum, float(eps), "NCX")
-        return dst
-    dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(
-        input, weight, bias, None, None, float(eps), "NCX")
-    _update(input, running_mean, running_var, mean, var, momentum)
-    return dst
+    except (ValueError, TypeError) as error:  # torch raises RuntimeError: see errors.py
+        raise errors.torch_compatible(error) from None
 
 
 def _rank1(
@@ -139,30 +145,36 @@ def batch_norm_act(
     ``ValueError``), ``weight`` must have no zeros (not checked), and double
     backward is then not available.
     """
-    slope = _activation.check("batch_norm_act", activation, negative_slope, memory_saving)
-    mask = resolve_mask("batch_norm_act", input, mask, lengths)
-    if mask is not None:
-        return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
-                                     residual, activation, slope)
-    op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
-    if input.dim() == 1:  # only an empty input is valid: an empty output
-        return _rank1(input, running_mean, running_var, weight, bias, training)
-    if not training:
-        check_running_stats("batch_norm_act", running_mean, running_var)
-        if is_eager(input):  # as in batch_norm
-            return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen(
-                input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope, "NCX",
-                bool(memory_saving))
-        dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
-                       "NCX", bool(memory_saving))
+    try:
+        slope = _activation.check("batch_norm_act", activation, negative_slope, memory_saving)
+        mask = resolve_mask("batch_norm_act", input, mask, lengths)
+        if mask is not None:
+            return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
+                                         residual, activation, slope)
+        op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
+        if input.dim() == 1:  # only an empty input is valid: an empty output
+            return _rank1(input, running_mean, running_var, weight, bias, training)
+        if not training:
+            check_running_stats("batch_norm_act", running_mean, running_var)
+            if is_eager(input):  # as in batch_norm
+                return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen(
+                    input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope, "NCX",
+                    bool(memory_saving))
+            if torch.compiler.is_exporting():  # as in batch_norm
+                return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite(
+                    input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope)
+            dst, _, _ = op(input, weight, bias, running_mean, running_var, residual, float(eps), activation, slope,
+                           "NCX", bool(memory_saving))
+            return dst
+        check_training("batch_norm_act", input, eps)
+        if forward_update_applies(input, momentum):  # as in batch_norm: the forward and the update in one call
+            dst, _, _ = torch.ops.torch_bn_grad.batch_norm_act_forward.update(
+                input, weight, bias, running_mean, running_var, residual, momentum, float(eps), activation, slope,
+                "NCX", bool(memory_saving))
+            return dst
+        dst, mean, var = op(input, weight, bias, None, None, residual, float(eps), activation, slope, "NCX",
+                            bool(memory_saving))
+        _update(input, running_mean, running_var, mean, var, momentum)
         return dst
-    check_training("batch_norm_act", input, eps)
-    if forward_update_applies(input, momentum):  # as in batch_norm: the forward and the update in one call
-        dst, _, _ = torch.ops.torch_bn_grad.batch_norm_act_forward.update(
-            input, weight, bias, running_mean, running_var, residual, momentum, float(eps), activation, slope,
-            "NCX", bool(memory_saving))
-        return dst
-    dst, mean, var = op(input, weight, bias, None, None, residual, float(eps), activation, slope, "NCX",
-                        bool(memory_saving))
-    _update(input, running_mean, running_var, mean, var, momentum)
-    return dst
+    except (ValueError, TypeError) as error:  # torch raises RuntimeError: see errors.py
+        raise errors.torch_compatible(error) from None

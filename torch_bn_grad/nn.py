@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import SyncBatchNorm as _TorchSyncBatchNorm  # bound here: programs rebind torch.nn's
 
-from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, functional
+from torch_bn_grad import _activation, _compat, _convert, _fuse, _script, errors, functional
 from torch_bn_grad._lengths import resolve_mask
 from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad._checks import check_mask
@@ -49,13 +50,19 @@ class FusedForward:
         self._check_input_dim(input)
         if torch.jit.is_scripting():  # a compile-time constant: TorchScript compiles this branch only
             return self._scripted_normalize(input, resolve_mask("batch_norm", input, mask, lengths))
-        mask = resolve_mask(type(self).__name__, input, mask, lengths)
-        if mask is not None:  # no torch forward for graph tools: torch has no masked batch norm
-            check_mask(type(self).__name__, input, mask)  # before num_batches_tracked counts the batch
-            return self._normalize_masked(input, mask, self._statistics())
+        if mask is not None or lengths is not None:  # no torch forward for graph tools: torch has no masked batch norm
+            return self._masked_forward(input, mask, lengths)
         if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
         return self._normalize(input, self._statistics())
+
+    def _masked_forward(self, input: Tensor, mask: Optional[Tensor], lengths: Optional[Tensor]) -> Tensor:
+        try:  # not in forward, which TorchScript compiles
+            mask = resolve_mask(type(self).__name__, input, mask, lengths)
+            check_mask(type(self).__name__, input, mask)  # before num_batches_tracked counts the batch
+            return self._normalize_masked(input, mask, self._statistics())
+        except (ValueError, TypeError) as error:  # as functional.batch_norm's: see errors.py
+            raise errors.torch_compatible(error) from None
 
     def _scripted_normalize(self, input: Tensor, mask: Optional[Tensor]) -> Tensor:
         """The batch norm as TorchScript compiles it (see _script.py)."""
@@ -147,23 +154,29 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
 
     def _check_input_dim(self, input: Tensor) -> None:
         # torch's SyncBatchNorm checks, with its messages.
-        torch.nn.SyncBatchNorm._check_input_dim(self, input)
-        torch.nn.SyncBatchNorm._check_non_zero_input_channels(self, input)
+        _TorchSyncBatchNorm._check_input_dim(self, input)
+        _TorchSyncBatchNorm._check_non_zero_input_channels(self, input)
 
     def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
         group = self._sync_group() if self.training else None
         if group is None:
             return super()._normalize(input, stats)
         running_mean, running_var, _, momentum = stats
-        return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
+        try:
+            return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
+        except (ValueError, TypeError) as error:  # as functional.batch_norm's: see errors.py
+            raise errors.torch_compatible(error) from None
 
     def _normalize_masked(self, input: Tensor, mask: Tensor, stats: Statistics) -> Tensor:
         group = self._sync_group() if self.training else None
         if group is None:
             return super()._normalize_masked(input, mask, stats)
         running_mean, running_var, _, momentum = stats
-        return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
-                               mask=mask)
+        try:
+            return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
+                                   mask=mask)
+        except (ValueError, TypeError) as error:
+            raise errors.torch_compatible(error) from None
 
     def _sync_group(self) -> Optional[dist.ProcessGroup]:
         """The process group to synchronize over, or None to run locally."""
@@ -221,13 +234,20 @@ class ActForward(FusedForward):
             if mask is not None:
                 return masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
             return self._add_activate(y, residual)
-        mask = resolve_mask(type(self).__name__, input, mask, lengths)
-        if mask is not None:
-            check_mask(type(self).__name__, input, mask)
-            return self._normalize_masked_act(input, residual, mask, self._statistics())
+        if mask is not None or lengths is not None:
+            return self._masked_act_forward(input, residual, mask, lengths)
         if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
             return self._add_activate(_BatchNorm.forward(self, input), residual)
         return self._normalize_act(input, residual, self._statistics())
+
+    def _masked_act_forward(self, input: Tensor, residual: Optional[Tensor], mask: Optional[Tensor],
+                            lengths: Optional[Tensor]) -> Tensor:
+        try:  # as in FusedForward._masked_forward
+            mask = resolve_mask(type(self).__name__, input, mask, lengths)
+            check_mask(type(self).__name__, input, mask)
+            return self._normalize_masked_act(input, residual, mask, self._statistics())
+        except (ValueError, TypeError) as error:
+            raise errors.torch_compatible(error) from None
 
     def _add_activate(self, y: Tensor, residual: Optional[Tensor]) -> Tensor:
         """The add and activation as torch operations, after a normalization that did not fuse them."""
