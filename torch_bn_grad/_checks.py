@@ -12,11 +12,6 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation
-
-# The operator wrappers' name for the activation check, whose rule is _activation's.
-check_activation = _activation.check
-
 
 def check_data_format(op: str, data_format: object) -> None:
     if not isinstance(data_format, str):

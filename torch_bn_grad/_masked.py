@@ -41,7 +41,7 @@ def masked_batch_norm(
         check_statistics(op, training, running_mean, running_var, eps)
         return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
     if not training and torch.compiler.is_exporting():  # see _export_decomp.py
-        _check_arguments(running_mean, running_var, training, eps, op)
+        check_statistics(op, training, running_mean, running_var, eps)
         return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
             input, weight, bias, running_mean, running_var, float(eps), mask)
     return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
@@ -72,7 +72,7 @@ def masked_batch_norm_act(
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     check_mask(op, input, mask)
     if not training and torch.compiler.is_exporting():  # see _export_decomp.py
-        _check_arguments(running_mean, running_var, training, eps, op)
+        check_statistics(op, training, running_mean, running_var, eps)
         return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite(
             input, weight, bias, running_mean, running_var, residual, float(eps), activation, float(negative_slope),
             mask)

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from torch_bn_grad._checks import check_activation, check_data_format, epsilon_value, output_mask_value
+from torch_bn_grad import _activation
+from torch_bn_grad._checks import check_data_format, epsilon_value, output_mask_value
 
 __all__ = ["batch_norm_forward", "batch_norm_backward", "batch_norm_act_forward", "batch_norm_act_backward"]
 
@@ -104,7 +105,7 @@ def batch_norm_act_forward(
     """
     op = "batch_norm_act_forward"
     check_data_format(op, data_format)
-    slope = check_activation(op, activation, negative_slope, memory_saving)
+    slope = _activation.check(op, activation, negative_slope, memory_saving)
     return torch.ops.torch_bn_grad.batch_norm_act_forward.default(
         src, gamma, beta, mean, variance, residual, epsilon_value(op, epsilon), activation, slope, data_format,
         bool(memory_saving),
@@ -146,7 +147,7 @@ def batch_norm_act_backward(
     """
     op = "batch_norm_act_backward"
     check_data_format(op, data_format)
-    slope = check_activation(op, activation, negative_slope, from_output, "from_output")
+    slope = _activation.check(op, activation, negative_slope, from_output, "from_output")
     mask = output_mask_value(op, output_mask, ("diff_src", "diff_gamma", "diff_beta", "diff_residual"))
     outputs = torch.ops.torch_bn_grad.batch_norm_act_backward.default(
         diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon_value(op, epsilon), activation, slope,
