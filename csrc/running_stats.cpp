@@ -11,12 +11,12 @@
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
 // Python update that torch.compile traces instead (_running_stats.py).
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "autograd/operator_handles.h"
 #include "autograd/dispatch_handles.h"
@@ -34,13 +34,12 @@ double bessel_factor(int64_t count) {
 }
 
 // The one-loop CPU update (kernel_table().update_running): contiguous buffers
-// of a floating dtype and batch statistics of its opmath type (float32 for
+// of a data dtype and batch statistics of its accumulation dtype (float32 for
 // float16/bfloat16 buffers, as half-precision data's statistics are).
 bool plain_loop_applies(const at::Tensor& running, const at::Tensor& batch) {
   const auto dtype = running.scalar_type();
   return running.is_cpu() && batch.is_cpu() && running.is_contiguous() && batch.is_contiguous() &&
-         (dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) &&
-         batch.scalar_type() == at::toOpMathType(dtype) &&
+         is_data_dtype(dtype) && batch.scalar_type() == accumulation_dtype(dtype) &&
          running.numel() == batch.numel();
 }
 
@@ -55,20 +54,20 @@ void update_one(const at::Tensor& running, const at::Tensor& batch, double facto
 
 #ifdef TORCH_BN_GRAD_WITH_CUDA
 // Both updates in one CUDA kernel: every tensor on the batch statistics' GPU
-// and contiguous; buffers of one floating dtype whose opmath type is the
+// and contiguous; buffers of one data dtype whose accumulation dtype is the
 // statistics' (float32 statistics for float16/bfloat16 buffers, as for the
 // CPU loop). The numel checks come first.
 bool one_cuda_kernel_applies(const std::optional<at::Tensor>& running_mean,
                              const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
                              const at::Tensor& variance) {
   const auto dtype = mean.scalar_type();
-  if (!mean.is_cuda() || (dtype != at::kFloat && dtype != at::kDouble) || !mean.is_contiguous()) return false;
+  if (!mean.is_cuda() || !is_data_dtype(dtype) || accumulation_dtype(dtype) != dtype || !mean.is_contiguous())
+    return false;
   std::optional<at::ScalarType> buffers;
   for (const auto* t : {&running_mean, &running_var}) {
     if (!t->has_value()) continue;
     const auto buffer = (*t)->scalar_type();
-    if ((*t)->device() != mean.device() || !(buffer == at::kDouble || buffer == at::kFloat || buffer == at::kHalf || buffer == at::kBFloat16) ||
-        at::toOpMathType(buffer) != dtype ||
+    if ((*t)->device() != mean.device() || !is_data_dtype(buffer) || accumulation_dtype(buffer) != dtype ||
         (buffers.has_value() && *buffers != buffer) || !(*t)->is_contiguous())
       return false;
     buffers = buffer;

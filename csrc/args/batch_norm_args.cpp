@@ -1,5 +1,6 @@
 #include "args/batch_norm_args.h"
 #include "args/channel_plan.h"
+#include "dtypes.h"
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -16,19 +17,9 @@ namespace {
 
 constexpr int64_t kMaxRank = 8;
 
-bool is_half_type(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16;
-}
-
-// A dtype as Python users write it: torch.float32, torch.bfloat16, ...
-std::string dtype_name(at::ScalarType t) {
-  return "torch." + std::string(c10::getDtypeNames(t).first);
-}
-
 void check_data_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dt = t.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kDouble || dt == at::kFloat || is_half_type(dt), op, ": ", name,
-                   " must have dtype torch.float64, torch.float32, torch.float16 or torch.bfloat16, got ",
+  TORCH_CHECK_TYPE(is_data_dtype(dt), op, ": ", name, " must have dtype ", data_dtype_names(), ", got ",
                    dtype_name(dt));
 }
 
@@ -48,17 +39,19 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t,
                     src.device(), "), got ", t.device());
 }
 
-// Per-channel tensors share one dtype: src's, or float32 for half-precision src.
+// Per-channel tensors share one dtype, is_param_dtype's: src's, or float32
+// for half-precision src.
 void check_param_dtype(const char* op, const char* name, const at::Tensor& t,
                        const at::Tensor& src, const at::Tensor* first, const char* first_name) {
   const auto dt = t.scalar_type();
   const auto sdt = src.scalar_type();
-  if (is_half_type(sdt)) {
-    TORCH_CHECK_TYPE(dt == sdt || dt == at::kFloat, op, ": ", name, " must have dtype torch.float32 or ",
-                     dtype_name(sdt), " (src's dtype is ", dtype_name(sdt), "), got ", dtype_name(dt));
+  if (is_half_dtype(sdt)) {
+    TORCH_CHECK_TYPE(is_param_dtype(dt, sdt), op, ": ", name, " must have dtype ",
+                     dtype_name(accumulation_dtype(sdt)), " or ", dtype_name(sdt), " (src's dtype is ",
+                     dtype_name(sdt), "), got ", dtype_name(dt));
   } else {
-    TORCH_CHECK_TYPE(dt == sdt, op, ": ", name, " must have src's dtype ", dtype_name(sdt), ", got ",
-                     dtype_name(dt));
+    TORCH_CHECK_TYPE(is_param_dtype(dt, sdt), op, ": ", name, " must have src's dtype ", dtype_name(sdt),
+                     ", got ", dtype_name(dt));
   }
   if (first != nullptr) {
     TORCH_CHECK_TYPE(dt == first->scalar_type(), op, ": ", name, " must have ", first_name, "'s dtype ",

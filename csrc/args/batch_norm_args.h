@@ -168,7 +168,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
     std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma,
     const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data, const at::Tensor& mean);
 
-// Accumulation type for a data dtype: float64 for float64, else float32.
-at::ScalarType accumulate_type(at::ScalarType data);
-
 }  // namespace torch_bn_grad

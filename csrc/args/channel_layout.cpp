@@ -143,10 +143,6 @@ at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan, at
   return v.view(sizes_of(like, plan.kept_kernel)).permute(inverse).to(dtype).contiguous().reshape(plan.stats_shape);
 }
 
-at::ScalarType accumulate_type(at::ScalarType data) {
-  return data == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
     std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma,
     const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data, const at::Tensor& mean) {

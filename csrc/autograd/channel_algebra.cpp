@@ -6,14 +6,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "dtypes.h"
 #include "cpu/kernels/kernel_table.h"
 
 namespace torch_bn_grad {
 
-at::ScalarType accumulation_dtype(const at::Tensor& src) {
-  const auto t = src.scalar_type();
-  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
-}
+at::ScalarType accumulation_dtype(const at::Tensor& src) { return accumulation_dtype(src.scalar_type()); }
 
 namespace {
 
@@ -32,9 +30,7 @@ bool cast_is_unrecorded(const at::Tensor& t) {
 // exactly and narrows once, as Tensor::to rounds it).
 bool plain_cast_applies(const at::Tensor& t, at::ScalarType dtype) {
   constexpr int64_t kMaxValues = int64_t{1} << 16;
-  const auto narrow_or_wide = [](at::ScalarType d) {
-    return d == at::kDouble || d == at::kHalf || d == at::kBFloat16;
-  };
+  const auto narrow_or_wide = [](at::ScalarType d) { return is_data_dtype(d) && d != at::kFloat; };
   const at::ScalarType from = t.scalar_type();
   const bool pair = (from == at::kFloat && narrow_or_wide(dtype)) || (dtype == at::kFloat && narrow_or_wide(from));
   return pair && t.is_cpu() && t.layout() == at::kStrided && cast_is_unrecorded(t) &&

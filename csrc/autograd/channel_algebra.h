@@ -13,7 +13,8 @@
 
 namespace torch_bn_grad {
 
-// The dtype the autograd formulas compute in: float32 for half-precision data.
+// The dtype the autograd formulas compute in: src's accumulation dtype
+// (dtypes.h), float32 for half-precision data.
 at::ScalarType accumulation_dtype(const at::Tensor& src);
 
 // a + b, an undefined tensor meaning zero (a gradient or tangent not given).

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/act_kernel_table.h"
@@ -74,7 +75,7 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
     act_kernel_table().forward(a);
     finish_kernel_output(out, plan);
   }
-  const auto stats_dtype = accumulate_type(src.scalar_type());
+  const auto stats_dtype = accumulation_dtype(src.scalar_type());
   return {out.result, kernel_channels_result(a.mean, plan, stats_dtype, src),
           kernel_channels_result(a.var, plan, stats_dtype, src), positive};
 }

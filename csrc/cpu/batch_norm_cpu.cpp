@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
@@ -62,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     kernel_table().forward_batch(to_kernel_layout(src, plan), {}, out.buffer, e, gamma_d, beta_d, epsilon, mean_d, var_d);
     finish_kernel_output(out, plan);
   }
-  const auto stats_dtype = accumulate_type(src.scalar_type());
+  const auto stats_dtype = accumulation_dtype(src.scalar_type());
   return {out.result, kernel_channels_result(mean_d, plan, stats_dtype, src),
           kernel_channels_result(var_d, plan, stats_dtype, src)};
 }

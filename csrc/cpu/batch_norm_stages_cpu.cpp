@@ -10,6 +10,7 @@
 #include <limits>
 #include <tuple>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
@@ -58,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
          *scale_d = var_d + C, *bias_d = scale_d + C;
   load_kernel_channels(gamma, plan, 1, src, gamma_d);
   load_kernel_channels(beta, plan, 0, src, beta_d);
-  const auto stats_dtype = accumulate_type(src.scalar_type());
+  const auto stats_dtype = accumulation_dtype(src.scalar_type());
   if (plan.reduced_count() > 0 && C > 0) {
     kernel_table().batch_moments(to_kernel_layout(src, plan), plan.extent(), mean_d, var_d);
     if (stats_dtype == at::kDouble) {

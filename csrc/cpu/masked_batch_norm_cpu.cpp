@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "cpu/kernels/masked_kernel_table.h"
@@ -108,7 +109,7 @@ ForwardResult masked_forward(const ChannelPlan& plan, const at::Tensor& src, con
   const ValidPositions valid = valid_positions(mask, layout);
   const MaskedView v = valid.view(layout);
   const bool frozen = mean.has_value();
-  const auto stats_dtype = frozen ? mean->scalar_type() : accumulate_type(src.scalar_type());
+  const auto stats_dtype = frozen ? mean->scalar_type() : accumulation_dtype(src.scalar_type());
   const MaskedAct act{residual.has_value() ? to_masked_layout(*residual, layout) : at::Tensor(), kind,
                       negative_slope};
 

@@ -4,7 +4,6 @@
 // epilogue (epilogue.cuh) in the gradient sums and the output. The forward's
 // driver is the plain forward's (forward.cuh). Same contract, checks and
 // per-channel math as the CPU operators (cpu/batch_norm_act_cpu.cpp).
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/add.h>
@@ -17,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "dtypes.h"
 #include "math/activation_math.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   const ChannelPlan& plan = checked.plan;
   const at::Tensor& data = from_output ? *dst : *src;
   const c10::cuda::CUDAGuard guard(data.device());
-  const auto acc = accumulate_type(data.scalar_type());
+  const auto acc = accumulation_dtype(data.scalar_type());
   const Extent e = plan.extent();
   const int64_t M = plan.reduced_count();
   const bool need_sums = training || output_mask[1] || output_mask[2];
@@ -119,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
     // The pass's dy_scale, x_scale and bias, then silu's forward mean, scale and bias.
     const int64_t vectors = (need_pass ? 3 : 0) + (checked.kind == act::Kind::silu ? 3 : 0);
     const at::Tensor scratch = vectors > 0 ? channel_vectors(plan, data, acc, vectors) : at::Tensor();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_act_backward_cuda", [&] {
+    TBG_DISPATCH_DATA_DTYPE(data.scalar_type(), "batch_norm_act_backward_cuda", [&] {
       using A = Acc<scalar_t>;
       const int64_t C = e.channels;
       A* const dy_scale = need_pass ? scratch.mutable_data_ptr<A>() : nullptr;

@@ -6,7 +6,6 @@
 // in one persistent kernel that reads the data once. The forward's driver is
 // shared with the fused batch_norm_act operators (forward.cuh); the kernels
 // and their launches are in the headers of this folder (csrc/README.md).
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -16,6 +15,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
-  const auto acc = accumulate_type(src.scalar_type());
+  const auto acc = accumulation_dtype(src.scalar_type());
   const Extent e = plan.extent();
   const int64_t M = plan.reduced_count();
   const bool need_sums = training || output_mask[1] || output_mask[2];
@@ -62,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
     if (need_diff_src || (need_sums && M > 0)) dy = to_kernel_layout(diff_dst, plan);
     // dy_scale, x_scale and bias
     const at::Tensor scratch = need_diff_src ? channel_vectors(plan, src, acc, 3) : at::Tensor();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_backward_cuda", [&] {
+    TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_backward_cuda", [&] {
       using A = Acc<scalar_t>;
       A* const dy_scale = need_diff_src ? scratch.mutable_data_ptr<A>() : nullptr;
       auto args = backward_coefficient_args(mean_k.const_data_ptr<A>(), var_v.in, gamma_v.in, epsilon, e.channels, M,

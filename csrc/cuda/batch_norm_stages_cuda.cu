@@ -4,7 +4,6 @@
 // elementwise pass as the fused operators, with the per-channel rows written
 // as float64 and the coefficients derived on the device from tensors (no host
 // reads). With 1-D statistics the kernel channel order is the logical one.
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +14,7 @@
 #include <limits>
 #include <tuple>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
@@ -31,7 +31,7 @@ at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view d
   at::Tensor rows = at::zeros({3, e.channels}, src.options().dtype(at::kDouble));
   if (src.numel() == 0) return rows;
   const at::Tensor x = to_kernel_layout(src, plan);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_local_stats_cuda", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_local_stats_cuda", [&] {
     using A = Acc<scalar_t>;
     const Partials<Moments<double>> partials = moment_partials<scalar_t>(x, e);
     launch_channel_groups(e.channels, partials.per_channel, [&](auto group, dim3 grid) {
@@ -49,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
     double epsilon, c10::string_view data_format) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
-  const auto acc = accumulate_type(src.scalar_type());
+  const auto acc = accumulation_dtype(src.scalar_type());
   const Extent e = plan.extent();
   at::Tensor mean_k = channel_vector(plan, src, acc), var_k = channel_vector(plan, src, acc),
              x_scale = channel_vector(plan, src, acc), bias = channel_vector(plan, src, acc);
@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
     const at::Tensor x = to_kernel_layout(src, plan);
     const at::Tensor gamma_d = optional_channels(gamma, plan, src);
     const at::Tensor beta_d = optional_channels(beta, plan, src);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_stats_affine_cuda", [&] {
+    TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_stats_affine_cuda", [&] {
       using A = Acc<scalar_t>;
       const Partials<Moments<double>> partials = moment_partials<scalar_t>(x, e);
       ForwardCoefficientArgs<A> args{};
@@ -92,8 +92,8 @@ at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& di
   // The sums are taken about the mean rounded to the accumulation type, then
   // re-centred on the given mean.
   const at::Tensor mean_d = mean.contiguous();
-  const at::Tensor centre = mean_d.to(accumulate_type(src.scalar_type()));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_sums_cuda", [&] {
+  const at::Tensor centre = mean_d.to(accumulation_dtype(src.scalar_type()));
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_grad_sums_cuda", [&] {
     using A = Acc<scalar_t>;
     const Partials<GradSums<double>> partials = grad_sum_partials<scalar_t>(x, dy, centre, e);
     launch_channel_groups(e.channels, partials.per_channel, [&](auto group, dim3 grid) {
@@ -114,7 +114,7 @@ at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& d
   const c10::cuda::CUDAGuard guard(src.device());
   KernelOutput out = make_kernel_output(src, plan);
   if (src.numel() == 0) return out.result;
-  const auto acc = accumulate_type(src.scalar_type());
+  const auto acc = accumulation_dtype(src.scalar_type());
   const Extent e = plan.extent();
   const at::Tensor x = to_kernel_layout(src, plan);
   const at::Tensor dy = to_kernel_layout(diff_dst, plan);
@@ -124,7 +124,7 @@ at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& d
   const at::Tensor count_d = count.contiguous();
   const at::Tensor sums_d = grad_sums.contiguous();
   const at::Tensor scratch = channel_vectors(plan, src, acc, 4);  // mean, dy_scale, x_scale, bias
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_grad_input_cuda", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_grad_input_cuda", [&] {
     using A = Acc<scalar_t>;
     const dim3 grid(static_cast<unsigned>(ceil_div(e.channels, kThreads)));
     A* const v = scratch.mutable_data_ptr<A>();

@@ -9,27 +9,42 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <optional>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 
 namespace torch_bn_grad::cuda {
 
-enum class ChannelType : int8_t { kDouble, kFloat, kHalf, kBFloat16 };
+// A data dtype, as the device code tells the element types apart.
+#define TBG_CHANNEL_TYPE(Name, unused) k##Name,
+enum class ChannelType : int8_t { TBG_DATA_DTYPES(TBG_CHANNEL_TYPE, 0) };
+#undef TBG_CHANNEL_TYPE
 
 // The element type the kernels convert from and to, if `dtype` is one of them.
 inline std::optional<ChannelType> channel_type(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kDouble: return ChannelType::kDouble;
-    case at::kFloat: return ChannelType::kFloat;
-    case at::kHalf: return ChannelType::kHalf;
-    case at::kBFloat16: return ChannelType::kBFloat16;
+#define TBG_CHANNEL_TYPE_CASE(Name, unused) \
+  case at::ScalarType::Name: return ChannelType::k##Name;
+    TBG_DATA_DTYPES(TBG_CHANNEL_TYPE_CASE, 0)
+#undef TBG_CHANNEL_TYPE_CASE
     default: return std::nullopt;
   }
+}
+
+// Element i of a T vector in float64, through T's accumulation type (exact).
+template <typename T>
+__device__ __forceinline__ double widened(const void* data, int64_t i) {
+  return static_cast<double>(static_cast<at::opmath_type<T>>(static_cast<const T*>(data)[i]));
+}
+
+// v stored as element k of a T vector: rounded once to T's accumulation
+// type, then to T, as ATen's casts from float64.
+template <typename T>
+__device__ __forceinline__ void narrowed(void* data, int64_t k, double v) {
+  static_cast<T*>(data)[k] = static_cast<T>(static_cast<at::opmath_type<T>>(v));
 }
 
 // A read-only per-channel vector; null data: absent.
@@ -42,16 +57,16 @@ struct ChannelIn {
     if (data == nullptr) return absent;
     const int64_t i = k * stride;
     switch (type) {
-      case ChannelType::kFloat: return static_cast<const float*>(data)[i];
-      case ChannelType::kHalf: return static_cast<float>(static_cast<const c10::Half*>(data)[i]);
-      case ChannelType::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(data)[i]);
-      default: return static_cast<const double*>(data)[i];
+#define TBG_CHANNEL_READ(Name, unused) \
+  case ChannelType::k##Name: return widened<c10::impl::ScalarTypeToCPPTypeT<at::ScalarType::Name>>(data, i);
+      TBG_DATA_DTYPES(TBG_CHANNEL_READ, 0)
+#undef TBG_CHANNEL_READ
     }
+    return absent;  // not reached: every ChannelType is a case
   }
 };
 
-// A written per-channel vector, contiguous; null data: not wanted. Values are
-// rounded once to float, then to a 16-bit type, as ATen's casts from float64.
+// A written per-channel vector, contiguous; null data: not wanted.
 struct ChannelOut {
   void* data = nullptr;
   ChannelType type = ChannelType::kDouble;
@@ -59,12 +74,10 @@ struct ChannelOut {
   __device__ __forceinline__ bool wanted() const { return data != nullptr; }
   __device__ __forceinline__ void set(int64_t k, double v) const {
     switch (type) {
-      case ChannelType::kFloat: static_cast<float*>(data)[k] = static_cast<float>(v); break;
-      case ChannelType::kHalf: static_cast<c10::Half*>(data)[k] = c10::Half(static_cast<float>(v)); break;
-      case ChannelType::kBFloat16:
-        static_cast<c10::BFloat16*>(data)[k] = c10::BFloat16(static_cast<float>(v));
-        break;
-      default: static_cast<double*>(data)[k] = v;
+#define TBG_CHANNEL_WRITE(Name, unused) \
+  case ChannelType::k##Name: narrowed<c10::impl::ScalarTypeToCPPTypeT<at::ScalarType::Name>>(data, k, v); break;
+      TBG_DATA_DTYPES(TBG_CHANNEL_WRITE, 0)
+#undef TBG_CHANNEL_WRITE
     }
   }
 };

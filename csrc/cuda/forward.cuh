@@ -5,7 +5,6 @@
 // or statistics, coefficients and the elementwise pass.
 #pragma once
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -13,6 +12,7 @@
 #include <optional>
 #include <tuple>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "cuda/channel_values.cuh"
@@ -38,7 +38,7 @@ ForwardResult forward_cuda(const ChannelPlan& plan, const at::Tensor& src, const
                            const std::optional<at::Tensor>& variance, double epsilon,
                            const WithEpilogue& with_epilogue) {
   const c10::cuda::CUDAGuard guard(src.device());
-  const auto acc = accumulate_type(src.scalar_type());
+  const auto acc = accumulation_dtype(src.scalar_type());
   const Extent e = plan.extent();
   const bool batch_statistics = !mean.has_value();
 
@@ -51,7 +51,7 @@ ForwardResult forward_cuda(const ChannelPlan& plan, const at::Tensor& src, const
     const ChannelValues gamma_v = channel_values(gamma, plan, src);
     const ChannelValues beta_v = channel_values(beta, plan, src);
     const at::Tensor scratch = channel_vectors(plan, src, acc, 2);  // x_scale, bias
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "batch_norm_forward_cuda", [&] {
+    TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_forward_cuda", [&] {
       using A = Acc<scalar_t>;
       A* x_scale = scratch.mutable_data_ptr<A>();
       A* bias = x_scale + e.channels;

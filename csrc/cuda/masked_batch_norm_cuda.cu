@@ -8,7 +8,6 @@
 // first thread derives the channel's coefficients (batch_norm_math.h); an
 // elementwise kernel then writes every position, 0 where padded. Padded
 // positions are never read. The valid count stays on the device.
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +21,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "math/batch_norm_math.h"
 #include "math/compensated.h"
@@ -188,7 +188,7 @@ int affine_blocks(int64_t total) {
 
 // The per-channel coefficients of the elementwise pass: `A` values, four a channel.
 at::Tensor affine_buffer(const at::Tensor& src, int64_t channels) {
-  return at::empty({channels * 4}, src.options().dtype(at::toOpMathType(src.scalar_type())));
+  return at::empty({channels * 4}, src.options().dtype(accumulation_dtype(src.scalar_type())));
 }
 
 // Queues a masked pass in layout.data's dtype: coefficients(a, x, shape,
@@ -202,7 +202,7 @@ void run_masked_pass(const MaskedLayout& layout, const at::Tensor& valid, const 
   if (layout.extent.channels == 0) return;
   const at::Tensor affine = affine_buffer(data, layout.extent.channels);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "batch_norm_masked_cuda", [&] {
+  TBG_DISPATCH_DATA_DTYPE(data.scalar_type(), "batch_norm_masked_cuda", [&] {
     using Affine = math::ChannelAffine<at::opmath_type<scalar_t>>;
     auto* a = reinterpret_cast<Affine*>(affine.mutable_data_ptr());
     const scalar_t* x = data.const_data_ptr<scalar_t>();
@@ -231,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
   const bool frozen = mean.has_value();
   const ChannelValues gamma_in = channel_values(gamma, plan, src), beta_in = channel_values(beta, plan, src);
   const ChannelValues mean_in = channel_values(mean, plan, src), var_in = channel_values(variance, plan, src);
-  const auto stats_dtype = accumulate_type(src.scalar_type());
+  const auto stats_dtype = accumulation_dtype(src.scalar_type());
   const ChannelResult batch_mean = frozen ? ChannelResult{} : channel_result(plan, stats_dtype, src);
   const ChannelResult batch_var = frozen ? ChannelResult{} : channel_result(plan, stats_dtype, src);
   const auto count_options = src.options().dtype(at::kDouble);

@@ -1,5 +1,4 @@
 // The running-statistics update's kernel (running_stats_cuda.h).
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -7,6 +6,7 @@
 
 #include <cstdint>
 
+#include "dtypes.h"
 #include "math/batch_norm_math.h"
 #include "cuda/running_stats_cuda.h"
 #include "math/extent.h"
@@ -52,7 +52,7 @@ void launch_update(const at::Tensor* running_mean, const at::Tensor* running_var
   if (channels == 0 || (running_mean == nullptr && running_var == nullptr)) return;
   const c10::cuda::CUDAGuard guard(mean.device());
   const at::Tensor& running = running_mean != nullptr ? *running_mean : *running_var;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running.scalar_type(), "update_running_stats_cuda", [&] {
+  TBG_DISPATCH_DATA_DTYPE(running.scalar_type(), "update_running_stats_cuda", [&] {
     using S = at::opmath_type<scalar_t>;
     const auto blocks = static_cast<unsigned>(ceil_div(channels, int64_t{kRunningThreads}));
     update_running_kernel<scalar_t><<<blocks, kRunningThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(

@@ -7,11 +7,11 @@
 // relu's backward is leaky_relu's with slope 0: act'(z) is then
 // select(y > 0, 1, 0) in both, bit for bit, and relu is never inverted
 // (from_output is refused for it), so relu adds no instantiation.
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
 
+#include "dtypes.h"
 #include "math/activation_math.h"
 #include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
@@ -81,7 +81,7 @@ void backward_as(ActBackwardArgs& a, double act_slope) {
 }
 
 void backward(ActBackwardArgs& a) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.data.scalar_type(), "batch_norm_act_backward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(a.data.scalar_type(), "batch_norm_act_backward", [&] {
     act::dispatch_activation(a.act.kind, [&](auto activation) {
       using Act = decltype(activation);
       if constexpr (Act::kKind == act::Kind::relu) {
@@ -94,8 +94,8 @@ void backward(ActBackwardArgs& a) {
 }
 
 bool sign_bits_fit(const Extent& e, at::ScalarType dtype) {
-  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "batch_norm_act_sign_bits_fit",
-                                         [&] { return CPU_CAPABILITY::sign_bits_fit<scalar_t>(e); });
+  return TBG_DISPATCH_DATA_DTYPE(dtype, "batch_norm_act_sign_bits_fit",
+                                 [&] { return CPU_CAPABILITY::sign_bits_fit<scalar_t>(e); });
 }
 
 }  // namespace

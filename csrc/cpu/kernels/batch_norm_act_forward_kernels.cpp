@@ -7,11 +7,11 @@
 // is the plain forward with a residual (batch_norm_kernels.cpp's); with sign
 // bits it is leaky_relu with slope 1 (z * 1 == z exactly, so the output and
 // its bits are the same). Neither adds an instantiation of the operators.
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
 
+#include "dtypes.h"
 #include "math/activation_math.h"
 #include "cpu/kernels/act_gates.h"
 #include "cpu/kernels/act_kernel_table.h"
@@ -50,7 +50,7 @@ void TBG_ISA_COPY(act_forward)(ActForwardArgs& a) {
     }
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.src.scalar_type(), "batch_norm_act_forward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(a.src.scalar_type(), "batch_norm_act_forward", [&] {
     act::dispatch_activation(a.act.kind, [&](auto activation) {
       using Act = decltype(activation);
       if constexpr (Act::kKind == act::Kind::identity) {

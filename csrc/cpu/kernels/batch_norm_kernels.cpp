@@ -34,13 +34,13 @@
 // with the ones it read last. An elementwise pass with no reduction before it
 // (frozen statistics, the split-stage grad_input) walks the planes in memory
 // order (affine_all).
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "dtypes.h"
 #include "math/batch_norm_math.h"
 #include "cpu/kernels/channel_convert.h"
 #include "cpu/kernels/kernel_table.h"
@@ -99,12 +99,9 @@ void grad_input_impl(const T* x, const T* dy, T* dx, const Extent& e, const doub
 }
 
 // ---------------------------------------------------------------- entry points
-#define TBG_DISPATCH(tensor, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
-
 void forward_batch(const at::Tensor& src, const at::Tensor& residual, at::Tensor& dst, const Extent& e,
                    const double* gamma, const double* beta, double epsilon, double* mean, double* var) {
-  TBG_DISPATCH(src, "forward_batch", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "forward_batch", [&] {
     forward_batch_impl<scalar_t>(src.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(residual),
                                  dst.mutable_data_ptr<scalar_t>(), e, gamma, beta, epsilon, mean, var);
   });
@@ -112,7 +109,7 @@ void forward_batch(const at::Tensor& src, const at::Tensor& residual, at::Tensor
 
 void forward_frozen(const at::Tensor& src, const at::Tensor& residual, at::Tensor& dst, const Extent& e,
                     const double* mean, const double* var, const double* gamma, const double* beta, double epsilon) {
-  TBG_DISPATCH(src, "forward_frozen", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "forward_frozen", [&] {
     forward_frozen_impl<scalar_t>(src.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(residual),
                                   dst.mutable_data_ptr<scalar_t>(), e, mean, var, gamma, beta, epsilon);
   });
@@ -121,7 +118,7 @@ void forward_frozen(const at::Tensor& src, const at::Tensor& residual, at::Tenso
 void backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
               const double* mean, const double* var, const double* gamma, double epsilon, bool training,
               double* diff_gamma, double* diff_beta) {
-  TBG_DISPATCH(src, "backward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "backward", [&] {
     backward_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
                             diff_src.defined() ? diff_src.mutable_data_ptr<scalar_t>() : nullptr, e, mean, nullptr,
                             var, gamma, epsilon, training, diff_gamma, diff_beta);
@@ -148,18 +145,19 @@ void update_running_as(const at::Tensor& running, const at::Tensor& batch, doubl
 }
 
 void update_running(const at::Tensor& running, const at::Tensor& batch, double factor, double weight) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running.scalar_type(), "update_running", [&] {
+  TBG_DISPATCH_DATA_DTYPE(running.scalar_type(), "update_running", [&] {
     update_running_as<scalar_t>(running, batch, factor, weight);
   });
 }
 
 void batch_moments(const at::Tensor& src, const Extent& e, double* mean, double* m2) {
-  TBG_DISPATCH(src, "batch_moments", [&] { batch_moments_impl<scalar_t>(src.const_data_ptr<scalar_t>(), e, mean, m2); });
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_moments",
+                          [&] { batch_moments_impl<scalar_t>(src.const_data_ptr<scalar_t>(), e, mean, m2); });
 }
 
 void grad_sums(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& e, const double* mean,
                double* sum_dy, double* sum_dy_xc) {
-  TBG_DISPATCH(src, "grad_sums", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "grad_sums", [&] {
     grad_sums_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(), e, mean, sum_dy,
                              sum_dy_xc);
   });
@@ -168,7 +166,7 @@ void grad_sums(const at::Tensor& src, const at::Tensor& diff_dst, const Extent& 
 void grad_input(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& diff_src, const Extent& e,
                 const double* mean, const double* var, const double* gamma, const double* count,
                 const double* grad_sums, double epsilon) {
-  TBG_DISPATCH(src, "grad_input", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "grad_input", [&] {
     grad_input_impl<scalar_t>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
                               diff_src.mutable_data_ptr<scalar_t>(), e, mean, var, gamma, count, grad_sums, epsilon);
   });

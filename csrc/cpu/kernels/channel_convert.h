@@ -6,13 +6,13 @@
 // (perf, 1 thread), which these vector loops avoid.
 #pragma once
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/TypeCast.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "dtypes.h"
 #include "cpu/kernels/channel_finish.h"
 
 namespace torch_bn_grad::cpu {
@@ -30,7 +30,7 @@ void widen_channels(const at::Tensor& t, double* out) {
     for (; k < n; ++k) out[k] = static_cast<double>(in[k]);
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "widen_channels", [&] {
+  TBG_DISPATCH_DATA_DTYPE(t.scalar_type(), "widen_channels", [&] {
     const scalar_t* in = t.const_data_ptr<scalar_t>();
     for (int64_t k = 0; k < n; ++k) out[k] = static_cast<double>(in[k]);
   });
@@ -47,7 +47,7 @@ void narrow_channels(const double* v, const at::Tensor& out) {
     for (; k < n; ++k) dst[k] = c10::convert<float>(v[k]);
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "narrow_channels", [&] {
+  TBG_DISPATCH_DATA_DTYPE(out.scalar_type(), "narrow_channels", [&] {
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     for (int64_t k = 0; k < n; ++k) dst[k] = c10::convert<scalar_t>(v[k]);
   });

@@ -17,7 +17,6 @@
 // (and dy) from memory a second time made a (32, 256, 400) float32 training
 // step 1.3x the unmasked one's time (2 threads, AMD EPYC, docs/performance.md).
 // The rows form reduces every channel first.
-#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -26,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dtypes.h"
 #include "math/batch_norm_math.h"
 #include "cpu/kernels/act_gates.h"
 #include "cpu/kernels/masked_kernel_table.h"
@@ -339,12 +339,9 @@ void gate_typed(const T* x, const T* y, const T* res, const T* g, T* dz, const M
   });
 }
 
-#define TBG_MASKED_DISPATCH(tensor, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, (tensor).scalar_type(), name, __VA_ARGS__)
-
 void masked_forward(const at::Tensor& src, at::Tensor& out, const MaskedView& v, MaskedMomentsFinish finish,
                     const MaskedAct& act) {
-  TBG_MASKED_DISPATCH(src, "batch_norm_masked_forward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_masked_forward", [&] {
     act::dispatch_activation(act.kind, [&](auto a) {
       forward_typed<scalar_t, decltype(a)>(src.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(act.residual),
                                            out.mutable_data_ptr<scalar_t>(), v, finish, act.slope);
@@ -354,7 +351,7 @@ void masked_forward(const at::Tensor& src, at::Tensor& out, const MaskedView& v,
 
 void masked_forward_affine(const at::Tensor& src, at::Tensor& out, const MaskedView& v,
                            MaskedCoefficients coefficients, const MaskedAct& act) {
-  TBG_MASKED_DISPATCH(src, "batch_norm_masked_forward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_masked_forward", [&] {
     act::dispatch_activation(act.kind, [&](auto a) {
       affine_typed<scalar_t, false, decltype(a)>(src.const_data_ptr<scalar_t>(), nullptr,
                                                  data_or_null<scalar_t>(act.residual),
@@ -365,7 +362,7 @@ void masked_forward_affine(const at::Tensor& src, at::Tensor& out, const MaskedV
 
 void masked_backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
                      const double* mean, MaskedGradFinish finish) {
-  TBG_MASKED_DISPATCH(src, "batch_norm_masked_backward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_masked_backward", [&] {
     backward_typed(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(),
                    out_or_null<scalar_t>(out), v, mean, finish);
   });
@@ -373,7 +370,7 @@ void masked_backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tens
 
 void masked_backward_affine(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& out, const MaskedView& v,
                             MaskedCoefficients coefficients) {
-  TBG_MASKED_DISPATCH(src, "batch_norm_masked_backward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_masked_backward", [&] {
     affine_typed<scalar_t, true>(src.const_data_ptr<scalar_t>(), diff_dst.const_data_ptr<scalar_t>(), nullptr,
                                  out.mutable_data_ptr<scalar_t>(), v, coefficients);
   });
@@ -381,7 +378,7 @@ void masked_backward_affine(const at::Tensor& src, const at::Tensor& diff_dst, a
 
 void masked_gate(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& diff_dst, at::Tensor& dz,
                  const MaskedView& v, MaskedCoefficients forward, const MaskedAct& act) {
-  TBG_MASKED_DISPATCH(src, "batch_norm_masked_act_backward", [&] {
+  TBG_DISPATCH_DATA_DTYPE(src.scalar_type(), "batch_norm_masked_act_backward", [&] {
     act::dispatch_activation(act.kind, [&](auto a) {
       using Act = decltype(a);
       gate_typed<scalar_t, Act>(Act::kGradFromOutput ? nullptr : src.const_data_ptr<scalar_t>(),
