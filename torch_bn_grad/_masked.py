@@ -34,8 +34,12 @@ def masked_batch_norm(
     momentum: Union[float, Tensor],
     eps: float,
     op: str = "batch_norm",
+    *,
+    skip_nonfinite_stats: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
-    """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True."""
+    """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True
+    (``skip_nonfinite_stats``, ``num_batches_tracked``: ``functional.batch_norm``'s)."""
     check_mask(op, input, mask)
     if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
         check_statistics(op, training, running_mean, running_var, eps)
@@ -45,7 +49,8 @@ def masked_batch_norm(
         return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
             input, weight, bias, running_mean, running_var, float(eps), mask)
     return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
-                      running_mean, running_var, training, momentum, eps, op)
+                      running_mean, running_var, training, momentum, eps, op, skip_nonfinite_stats,
+                      num_batches_tracked)
 
 
 def masked_batch_norm_act(
@@ -62,13 +67,17 @@ def masked_batch_norm_act(
     activation: str,
     negative_slope: float,
     op: str = "batch_norm_act",
+    *,
+    skip_nonfinite_stats: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
     """``activation(masked_batch_norm(...) + residual)``, padded outputs 0 whatever
     ``residual`` holds there: one fused operator on the CPU (a residual of
     ``input``'s shape, dtype and device, or none), else (CUDA, ONNX export)
     composed (:func:`masked_add_activate`)."""
     if not fused_masked_act(input, residual) or _compat.in_onnx_export():
-        y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op)
+        y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op,
+                              skip_nonfinite_stats=skip_nonfinite_stats, num_batches_tracked=num_batches_tracked)
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     check_mask(op, input, mask)
     if not training and torch.compiler.is_exporting():  # see _export_decomp.py
@@ -79,7 +88,7 @@ def masked_batch_norm_act(
     return _normalize(
         lambda mean, var: FORWARD_ACT(input, mask, weight, bias, mean, var, residual, float(eps), activation,
                                       float(negative_slope)),
-        running_mean, running_var, training, momentum, eps, op)
+        running_mean, running_var, training, momentum, eps, op, skip_nonfinite_stats, num_batches_tracked)
 
 
 def fused_masked_act(input: Tensor, residual: Optional[Tensor]) -> bool:
@@ -96,6 +105,8 @@ def _normalize(
     momentum: Union[float, Tensor],
     eps: float,
     op: str,
+    skip_nonfinite_stats: bool,
+    num_batches_tracked: Optional[Tensor],
 ) -> Tensor:
     """Either masked operator, ``forward(mean, variance)``, with frozen statistics
     (eval) or batch statistics and the running-statistics update (training)."""
@@ -104,7 +115,8 @@ def _normalize(
         return forward(running_mean, running_var)[0]
     dst, mean, var, count = forward(None, None)
     if running_mean is not None or running_var is not None:
-        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+        update_running_stats(running_mean, running_var, mean, var, count, momentum, skip_nonfinite_stats,
+                             num_batches_tracked)
     return dst
 
 

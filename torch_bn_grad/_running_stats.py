@@ -7,12 +7,22 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _compat
+from torch_bn_grad import _compat, config
 from torch_bn_grad._eager import is_eager
 
 
 _UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
 _COUNTED_UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.counted
+
+
+def skip_nonfinite_setting(owner: str, value: Optional[bool]) -> bool:
+    """A ``skip_nonfinite_stats`` argument's value (modules, ``convert_batchnorm``):
+    ``config.skip_nonfinite_stats`` for None."""
+    if value is None:
+        return config.skip_nonfinite_stats
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: skip_nonfinite_stats must be a bool or None, got {value!r}")
+    return value
 
 
 def _scalar_count(count: Union[int, Tensor]) -> bool:
@@ -57,6 +67,8 @@ def update_running_stats(
     variance: Tensor,
     count: Union[int, Tensor],
     momentum: Union[float, Tensor],
+    skip_nonfinite: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> None:
     """``running += momentum * (batch - running)`` in place, ``running_var`` with the
     unbiased variance, as torch's BatchNorm does.
@@ -65,7 +77,18 @@ def update_running_stats(
     (0: nothing changes), or a tensor (SyncBatchNorm: the whole batch's count,
     decided on the device without a host synchronization). ``momentum`` may be a
     tensor (the modules' cumulative average), so that it traces without a graph break.
+    ``skip_nonfinite`` and ``num_batches_tracked``: see :func:`update_with_count_tensor`.
     """
+    if skip_nonfinite:
+        # The operators update unconditionally: the tensor arithmetic's blend decides
+        # on the device (one count tensor per step: a fill, no copy from the host).
+        if not isinstance(count, Tensor):
+            if count == 0:
+                return
+            count = torch.full((), count, dtype=torch.float64, device=mean.device)
+        update_with_count_tensor(running_mean, running_var, mean, variance, count, momentum, True,
+                                 num_batches_tracked)
+        return
     count = _host_count(count)
     if _one_call_applies(count, momentum, mean):
         # Not detached: the operator's Autograd kernel runs it below autograd, recording nothing.
@@ -96,17 +119,42 @@ def update_with_count_tensor(
     variance: Tensor,
     count: Tensor,
     momentum: Union[float, Tensor],
+    skip_nonfinite: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> None:
-    """The update for a 0-dim ``count`` tensor in tensor arithmetic, the count never read
-    on the host: no change where it is 0, the variance unbiased with it (count 1: the
-    variance itself). TorchScript compiles it: the scripted modules' update (``_script.py``)."""
+    """The update for a ``count`` tensor (0-dim, or one per channel) in tensor arithmetic,
+    the count never read on the host: no change where it is 0, the variance unbiased
+    with it (count 1: the variance itself). TorchScript compiles it: the scripted
+    modules' update (``_script.py``).
+
+    ``skip_nonfinite``: a batch whose mean or unbiased variance, in the buffers' dtype,
+    is not finite in some counted channel changes neither buffer, decided on the device
+    (no host synchronization); ``num_batches_tracked``, the counter that already counted
+    this batch (``_BatchNorm.forward`` counts it first), then loses it again."""
     mean, variance = mean.detach(), variance.detach()  # as in update_running_stats: nothing recorded
     bessel = count / (count - 1).clamp_min(1)
     seen = count > 0
-    if running_mean is not None:
-        running_mean.copy_(torch.where(seen, _lerp(running_mean, mean, momentum), running_mean))
+    batch_mean = mean if running_mean is None else mean.to(running_mean.dtype)
+    batch_var = variance * bessel
     if running_var is not None:
-        running_var.copy_(torch.where(seen, _lerp(running_var, variance * bessel, momentum), running_var))
+        batch_var = batch_var.to(running_var.dtype)
+    if skip_nonfinite:
+        bad = _nonfinite(batch_mean, seen, running_mean is not None) | _nonfinite(batch_var, seen,
+                                                                                   running_var is not None)
+        seen = seen & ~bad
+        if num_batches_tracked is not None:
+            num_batches_tracked.sub_(bad.to(num_batches_tracked.dtype))
+    if running_mean is not None:
+        running_mean.copy_(torch.where(seen, _lerp(running_mean, batch_mean, momentum), running_mean))
+    if running_var is not None:
+        running_var.copy_(torch.where(seen, _lerp(running_var, batch_var, momentum), running_var))
+
+
+def _nonfinite(batch: Tensor, seen: Tensor, updates: bool) -> Tensor:
+    """0-dim bool: whether a statistic that updates a buffer is not finite in a counted channel."""
+    if not updates:
+        return torch.zeros((), dtype=torch.bool, device=batch.device)
+    return (seen & ~torch.isfinite(batch)).any()
 
 
 def _lerp(running: Tensor, batch: Tensor, momentum: Union[float, Tensor]) -> Tensor:

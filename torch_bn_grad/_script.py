@@ -11,7 +11,9 @@ eager forward's semantics, those of ``torch.nn.modules.batchnorm._BatchNorm``
 ``batch_norm_masked_forward`` so that a scripted model saves and loads
 (``torch.jit.save``/``load``) in any process that has imported
 ``torch_bn_grad``. The running statistics take the eager update's tensor form
-(``_running_stats.update_with_count_tensor``).
+(``_running_stats.update_with_count_tensor``), skipping batches with
+non-finite statistics as the eager update does when the module's
+``skip_nonfinite_stats`` is set.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def module_forward(
     track_running_stats: bool,
     momentum: Optional[float],
     eps: float,
+    skip_nonfinite_stats: bool = False,
 ) -> Tensor:
     """``_BatchNorm.forward`` (after the input-rank check) on this library's operators;
-    with ``mask``, the masked batch norm of ``functional.batch_norm(..., mask=)``."""
+    with ``mask``, the masked batch norm of ``functional.batch_norm(..., mask=)``;
+    ``skip_nonfinite_stats`` the modules' switch (``functional.batch_norm``'s)."""
     use_batch_stats = training or (running_mean is None and running_var is None)
     if not use_batch_stats:
         check_running_stats("batch_norm", running_mean, running_var)
@@ -70,7 +74,8 @@ def module_forward(
         )
         factor = count_batch(num_batches_tracked, tracking, momentum)
     if tracking and (running_mean is not None or running_var is not None):
-        update_with_count_tensor(running_mean, running_var, mean, var, count, factor)
+        update_with_count_tensor(running_mean, running_var, mean, var, count, factor, skip_nonfinite_stats,
+                                 num_batches_tracked)
     return dst
 
 

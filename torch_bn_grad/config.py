@@ -10,6 +10,13 @@ guarantees (see docs/api.md, "torch_bn_grad.config"). Eager mode, ``torch.export
 other backends always run the kernels. Set it before compiling: a model
 already compiled keeps what it was compiled with until ``torch._dynamo.reset()``;
 compile caches on disk are keyed by it.
+
+``skip_nonfinite_stats`` (bool, default False; environment variable
+``TORCH_BN_GRAD_SKIP_NONFINITE_STATS=1`` makes the default True): the default
+of the modules' ``skip_nonfinite_stats`` argument (and ``convert_batchnorm``'s
+new modules'), read when a module is built: a training batch whose statistics
+are not finite leaves the running statistics and ``num_batches_tracked`` as
+they were. False is torch's behaviour.
 """
 
 from __future__ import annotations
@@ -31,10 +38,17 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"torch_bn_grad.config.{name} must be a bool, got {value!r}")
+
+
 class _Config(types.ModuleType):
-    """The module's class: setting ``compile_lowering`` also updates the compile cache key."""
+    """The module's class: setting ``compile_lowering`` also updates the compile cache key;
+    the settings are type-checked."""
 
     _compile_lowering: bool = _env_flag("TORCH_BN_GRAD_COMPILE_LOWERING", True)
+    _skip_nonfinite_stats: bool = _env_flag("TORCH_BN_GRAD_SKIP_NONFINITE_STATS", False)
 
     @property
     def compile_lowering(self) -> bool:
@@ -42,9 +56,19 @@ class _Config(types.ModuleType):
 
     @compile_lowering.setter
     def compile_lowering(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"torch_bn_grad.config.compile_lowering must be a bool, got {value!r}")
+        _check_bool("compile_lowering", value)
         type(self)._compile_lowering = value
+        for observer in _observers:
+            observer()
+
+    @property
+    def skip_nonfinite_stats(self) -> bool:
+        return type(self)._skip_nonfinite_stats
+
+    @skip_nonfinite_stats.setter
+    def skip_nonfinite_stats(self, value: bool) -> None:
+        _check_bool("skip_nonfinite_stats", value)
+        type(self)._skip_nonfinite_stats = value
         for observer in _observers:
             observer()
 

@@ -41,6 +41,8 @@ def sync_batch_norm(
     group: ProcessGroup,
     *,
     mask: Optional[Tensor] = None,
+    skip_nonfinite_stats: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
     """Training-mode batch norm of ``input`` (N, C, *) whose statistics span ``group``.
 
@@ -52,7 +54,10 @@ def sync_batch_norm(
     in place with ``momentum`` from the whole batch's statistics, unless the
     whole batch is empty. ``mask`` (padded batches) as in
     :func:`torch_bn_grad.functional.batch_norm`: all of it over the whole
-    group's valid positions only.
+    group's valid positions only. ``skip_nonfinite_stats`` and
+    ``num_batches_tracked`` as in :func:`torch_bn_grad.functional.batch_norm`,
+    on the whole batch's statistics: every process holds the same ones, so a
+    non-finite value on any process skips the update on all of them alike.
     """
     if mask is not None:
         check_mask("sync_batch_norm", input, mask)
@@ -61,7 +66,8 @@ def sync_batch_norm(
     local = stages.batch_norm_local_stats(data) if mask is None else masked_local_stats(data, mask, eps)
     count, mean, variance = group_statistics(local, group)
     if running_mean is not None or running_var is not None:
-        update_running_stats(running_mean, running_var, mean, variance, count, momentum)
+        update_running_stats(running_mean, running_var, mean, variance, count, momentum, skip_nonfinite_stats,
+                             num_batches_tracked)
     return _SyncBatchNormFunction.apply(input, mask, weight, bias, count, mean, variance, eps, group)
 
 

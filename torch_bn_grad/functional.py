@@ -29,6 +29,8 @@ def batch_norm(
     *,
     mask: Optional[Tensor] = None,
     lengths: Optional[Tensor] = None,
+    skip_nonfinite_stats: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
     """Batch normalization over the channel axis 1 of ``input`` (N, C, *).
 
@@ -48,11 +50,20 @@ def batch_norm(
 
     ``lengths`` (instead of ``mask``, for (N, C, L) input): integer (N,), sample i
     valid at positions ``[0, lengths[i])``; the mask is made on the device.
+
+    ``skip_nonfinite_stats=True``: a training batch whose mean or unbiased variance
+    is not finite (an ``inf`` or NaN in ``input``) leaves ``running_mean`` and
+    ``running_var`` as they were, decided on the device without a host
+    synchronization; ``num_batches_tracked`` (optional), a module's counter that
+    already counted this batch, as ``_BatchNorm.forward`` counts it, then loses
+    it again. The output is the same either way.
     """
     try:
         mask = resolve_mask("batch_norm", input, mask, lengths)
         if mask is not None:
-            return masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
+            return masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
+                                     skip_nonfinite_stats=skip_nonfinite_stats,
+                                     num_batches_tracked=num_batches_tracked)
         if input.dim() == 1:
             return _rank1(input, running_mean, running_var, weight, bias, training)
         if not training:
@@ -69,13 +80,14 @@ def batch_norm(
             return dst
         check_training("batch_norm", input, eps)
         # The operators themselves: their wrappers' Python-type checks are moot here (eps is a checked number).
-        if forward_update_applies(input, momentum):  # absent buffers: the update does nothing
+        # The .update overloads update unconditionally: skipping takes the separate update.
+        if not skip_nonfinite_stats and forward_update_applies(input, momentum):  # absent buffers: no update
             dst, _, _ = torch.ops.torch_bn_grad.batch_norm_forward.update(
                 input, weight, bias, running_mean, running_var, momentum, float(eps), "NCX")
             return dst
         dst, mean, var = torch.ops.torch_bn_grad.batch_norm_forward.default(
             input, weight, bias, None, None, float(eps), "NCX")
-        _update(input, running_mean, running_var, mean, var, momentum)
+        _update(input, running_mean, running_var, mean, var, momentum, skip_nonfinite_stats, num_batches_tracked)
         return dst
     except (ValueError, TypeError) as error:  # torch raises RuntimeError: see errors.py
         raise errors.torch_compatible(error) from None
@@ -104,11 +116,13 @@ def _rank1(
 
 
 def _update(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor], mean: Tensor,
-            var: Tensor, momentum: Union[float, Tensor]) -> None:
+            var: Tensor, momentum: Union[float, Tensor], skip_nonfinite_stats: bool,
+            num_batches_tracked: Optional[Tensor]) -> None:
     """The running statistics' update with a training batch's (none for an empty batch)."""
     count = input.numel() // max(input.shape[1], 1)
     if count > 0 and (running_mean is not None or running_var is not None):
-        update_running_stats(running_mean, running_var, mean, var, count, momentum)
+        update_running_stats(running_mean, running_var, mean, var, count, momentum, skip_nonfinite_stats,
+                             num_batches_tracked)
 
 
 def batch_norm_act(
@@ -127,6 +141,8 @@ def batch_norm_act(
     memory_saving: bool = False,
     mask: Optional[Tensor] = None,
     lengths: Optional[Tensor] = None,
+    skip_nonfinite_stats: bool = False,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused ``act(batch_norm(input, ...) + residual)``, one pass over the data each way.
 
@@ -136,8 +152,8 @@ def batch_norm_act(
     operations) and ignores ``memory_saving``.
 
     The batch-norm arguments and the running-statistics update are exactly
-    :func:`batch_norm`'s. ``activation``: ``"identity"``, ``"relu"``,
-    ``"leaky_relu"`` (``negative_slope >= 0``) or ``"silu"``; ``residual``
+    :func:`batch_norm`'s (``skip_nonfinite_stats`` and ``num_batches_tracked`` too).
+    ``activation``: ``"identity"``, ``"relu"``, ``"leaky_relu"`` (``negative_slope >= 0``) or ``"silu"``; ``residual``
     (optional) has ``input``'s shape and dtype. ``memory_saving=True``
     (inplace_abn's idea) keeps the output instead of ``input`` for the backward
     and recovers ``input`` from it: it needs an invertible activation
@@ -150,7 +166,8 @@ def batch_norm_act(
         mask = resolve_mask("batch_norm_act", input, mask, lengths)
         if mask is not None:
             return masked_batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
-                                         residual, activation, slope)
+                                         residual, activation, slope, skip_nonfinite_stats=skip_nonfinite_stats,
+                                         num_batches_tracked=num_batches_tracked)
         op = torch.ops.torch_bn_grad.batch_norm_act_forward.default
         if input.dim() == 1:  # only an empty input is valid: an empty output
             return _rank1(input, running_mean, running_var, weight, bias, training)
@@ -167,14 +184,14 @@ def batch_norm_act(
                            "NCX", bool(memory_saving))
             return dst
         check_training("batch_norm_act", input, eps)
-        if forward_update_applies(input, momentum):  # as in batch_norm: the forward and the update in one call
+        if not skip_nonfinite_stats and forward_update_applies(input, momentum):  # as in batch_norm: one call
             dst, _, _ = torch.ops.torch_bn_grad.batch_norm_act_forward.update(
                 input, weight, bias, running_mean, running_var, residual, momentum, float(eps), activation, slope,
                 "NCX", bool(memory_saving))
             return dst
         dst, mean, var = op(input, weight, bias, None, None, residual, float(eps), activation, slope, "NCX",
                             bool(memory_saving))
-        _update(input, running_mean, running_var, mean, var, momentum)
+        _update(input, running_mean, running_var, mean, var, momentum, skip_nonfinite_stats, num_batches_tracked)
         return dst
     except (ValueError, TypeError) as error:  # torch raises RuntimeError: see errors.py
         raise errors.torch_compatible(error) from None

@@ -15,6 +15,7 @@ from torch_bn_grad._lengths import resolve_mask
 from torch_bn_grad.distributed import sync_batch_norm
 from torch_bn_grad._checks import check_mask
 from torch_bn_grad._masked import masked_add_activate, masked_batch_norm, masked_batch_norm_act
+from torch_bn_grad._running_stats import skip_nonfinite_setting
 
 __all__ = [
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
@@ -37,7 +38,21 @@ class FusedForward:
     Parameters and buffers are read from ``_parameters`` and ``_buffers``, where
     ``nn.Module.__setattr__`` (and ``torch.func.functional_call``) put them:
     ``nn.Module.__getattr__``'s lookups of ``weight`` and ``running_mean`` would
-    be a large share of a small eval forward."""
+    be a large share of a small eval forward.
+
+    ``skip_nonfinite_stats`` (keyword-only; None: ``config.skip_nonfinite_stats``):
+    a training batch whose statistics are not finite leaves ``running_mean``,
+    ``running_var`` and ``num_batches_tracked`` as they were (see
+    :func:`torch_bn_grad.functional.batch_norm`). An attribute, not a buffer:
+    state_dicts stay torch's."""
+
+    # Torch's behaviour for pickles of versions without it; unannotated: TorchScript reads annotations as strings.
+    skip_nonfinite_stats = False
+
+    def __init__(self, *args: Any, skip_nonfinite_stats: Optional[bool] = None, **kwargs: Any) -> None:
+        """The constructor arguments of the torch class it derives from, then ``skip_nonfinite_stats``."""
+        super().__init__(*args, **kwargs)
+        self.skip_nonfinite_stats = skip_nonfinite_setting(type(self).__name__, skip_nonfinite_stats)
 
     def _affine(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         parameters = self._parameters
@@ -68,7 +83,7 @@ class FusedForward:
         """The batch norm as TorchScript compiles it (see _script.py)."""
         return _script.module_forward(
             input, mask, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
-            self.training, self.track_running_stats, self.momentum, self.eps,
+            self.training, self.track_running_stats, self.momentum, self.eps, self.skip_nonfinite_stats,
         )
 
     def _runs_torch_forward(self) -> bool:
@@ -98,13 +113,23 @@ class FusedForward:
         """The batch norm itself, once the module has chosen its statistics."""
         running_mean, running_var, use_batch_stats, momentum = stats
         return functional.batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
-                                     self.eps)
+                                     self.eps, **self._skipping())
 
     def _normalize_masked(self, input: Tensor, mask: Tensor, stats: Statistics) -> Tensor:
         """The masked batch norm, once the module has chosen its statistics."""
         running_mean, running_var, use_batch_stats, momentum = stats
         return masked_batch_norm(input, mask, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
-                                 self.eps, op=type(self).__name__)
+                                 self.eps, op=type(self).__name__, **self._skipping())
+
+    def _skipping(self) -> dict[str, Any]:
+        """The functional API's ``skip_nonfinite_stats`` arguments (the counter ``_statistics`` counted in)."""
+        if not self.skip_nonfinite_stats:
+            return {}
+        return {"skip_nonfinite_stats": True, "num_batches_tracked": self._buffers.get("num_batches_tracked")}
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()  # type: ignore[misc]
+        return text + ", skip_nonfinite_stats=True" if self.skip_nonfinite_stats else text
 
 
 class BatchNorm1d(FusedForward, torch.nn.BatchNorm1d):
@@ -147,9 +172,10 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
         dtype: Optional[torch.dtype] = None,
         *,
         bias: bool = True,
+        skip_nonfinite_stats: Optional[bool] = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         **_compat.batchnorm_bias_kwargs(bias))
+                         skip_nonfinite_stats=skip_nonfinite_stats, **_compat.batchnorm_bias_kwargs(bias))
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -163,7 +189,8 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
             return super()._normalize(input, stats)
         running_mean, running_var, _, momentum = stats
         try:
-            return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group)
+            return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
+                                   **self._skipping())
         except (ValueError, TypeError) as error:  # as functional.batch_norm's: see errors.py
             raise errors.torch_compatible(error) from None
 
@@ -174,7 +201,7 @@ class SyncBatchNorm(FusedForward, _BatchNorm):
         running_mean, running_var, _, momentum = stats
         try:
             return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
-                                   mask=mask)
+                                   mask=mask, **self._skipping())
         except (ValueError, TypeError) as error:
             raise errors.torch_compatible(error) from None
 
@@ -269,7 +296,7 @@ class ActForward(FusedForward):
         return functional.batch_norm_act(
             input, running_mean, running_var, *self._affine(), use_batch_stats, momentum, self.eps,
             residual=residual, activation=self.activation, negative_slope=self.negative_slope,
-            memory_saving=self.memory_saving,
+            memory_saving=self.memory_saving, **self._skipping(),
         )
 
     def _normalize_masked_act(self, input: Tensor, residual: Optional[Tensor], mask: Tensor,
@@ -280,7 +307,7 @@ class ActForward(FusedForward):
         running_mean, running_var, use_batch_stats, momentum = stats
         return masked_batch_norm_act(input, mask, running_mean, running_var, *self._affine(), use_batch_stats,
                                      momentum, self.eps, residual, self.activation, self.negative_slope,
-                                     op=type(self).__name__)
+                                     op=type(self).__name__, **self._skipping())
 
     def extra_repr(self) -> str:
         text = f"{super().extra_repr()}, activation={self.activation!r}"
@@ -341,6 +368,7 @@ def convert_batchnorm(
     subclasses: bool = False,
     fuse: bool = False,
     memory_saving: bool = False,
+    skip_nonfinite_stats: Optional[bool] = None,
 ) -> torch.nn.Module:
     """Replace every torch ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` with this library's.
 
@@ -373,14 +401,24 @@ def convert_batchnorm(
     ``UserWarning``. ``memory_saving=True`` (with ``fuse``) sets
     ``memory_saving`` on the fused modules whose activation allows it
     (identity, leaky_relu with a positive slope).
+
+    ``skip_nonfinite_stats`` True or False sets that switch (:class:`FusedForward`) on every
+    batch norm of ours in the result; None leaves each's, new ones with the config's.
     """
     if memory_saving and not fuse:
         raise ValueError("convert_batchnorm: memory_saving=True needs fuse=True")
+    if skip_nonfinite_stats is not None:
+        skip_nonfinite_setting("convert_batchnorm", skip_nonfinite_stats)  # checked before anything changes
     if fuse:
-        return _fuse.fuse(module, TARGETS, sync, process_group, subclasses, memory_saving)
-    conversion = _convert.Conversion(TARGETS, sync, process_group, subclasses)
-    module = conversion.tree(module)
-    conversion.skipped.warn(stacklevel=2)
+        module = _fuse.fuse(module, TARGETS, sync, process_group, subclasses, memory_saving)
+    else:
+        conversion = _convert.Conversion(TARGETS, sync, process_group, subclasses)
+        module = conversion.tree(module)
+        conversion.skipped.warn(stacklevel=2)
+    if skip_nonfinite_stats is not None:
+        for child in module.modules():
+            if isinstance(child, FusedForward):
+                child.skip_nonfinite_stats = skip_nonfinite_stats
     return module
 
 
