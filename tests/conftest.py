@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from reference import DEVICES
+from support.reference import DEVICES
 
 collect_ignore = [] if "cuda" in DEVICES else ["test_cuda.py"]
 

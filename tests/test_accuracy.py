@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from accuracy import DATA, DTYPES, LAYOUTS, measure
-from reference import DEVICES
+from support.accuracy import DATA, DTYPES, LAYOUTS, measure
+from support.reference import DEVICES
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from interop_models import Net, randomize_batchnorms, example_input
+from support.interop_models import Net, randomize_batchnorms, example_input
 
 # The low-precision dtypes autocast offers on each device.
 AMP_DTYPES = {"cpu": (torch.bfloat16, torch.float16), "cuda": (torch.float16, torch.bfloat16)}

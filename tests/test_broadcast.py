@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from reference import assert_close, reference_backward, reference_forward, stats_dtype
+from support.reference import assert_close, reference_backward, reference_forward, stats_dtype
 
 RANK_SHAPES = {
     1: (6,),

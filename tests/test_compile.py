@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
+from support.compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
 
 SPATIAL = (3, 6, 6)
 

@@ -15,8 +15,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import torch_bn_grad
-from compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
-from reference import normalization_inputs
+from support.compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
+from support.reference import normalization_inputs
 from torch_bn_grad import _inductor, config
 
 FORWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_forward",)

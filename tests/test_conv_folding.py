@@ -18,8 +18,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import torch_bn_grad
 from torch_bn_grad import nn as bn_nn
-from interop_models import Net, example_input, randomize_batchnorms
-import onnx_runs
+from support.interop_models import Net, example_input, randomize_batchnorms
+from support import onnx_runs
 
 
 def _model(fuse: bool = False) -> tuple[nn.Module, nn.Module]:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import torch_bn_grad
 from torch_bn_grad import stages
-from reference import (DTYPES, HALF_TYPES, Case, assert_close, cases, normalization_inputs, reference_backward,
+from support.reference import (DTYPES, HALF_TYPES, Case, assert_close, cases, normalization_inputs, reference_backward,
                        reference_forward)
 
 EPS = 1e-5

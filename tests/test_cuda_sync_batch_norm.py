@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import torch_bn_grad
-from recorded_steps import record_steps
-from reference import TOLERANCES
-from spawned_ranks import WORLD_SIZE, run_on_ranks
+from support.recorded_steps import record_steps
+from support.reference import TOLERANCES
+from support.spawned_ranks import WORLD_SIZE, run_on_ranks
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_available()),
                                 reason="needs a CUDA device and torch.distributed")

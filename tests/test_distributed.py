@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from recorded_steps import record_steps
-from spawned_ranks import run_on_ranks
-from reference import TOLERANCES, assert_modules_match
+from support.recorded_steps import record_steps
+from support.spawned_ranks import run_on_ranks
+from support.reference import TOLERANCES, assert_modules_match
 
 TIMEOUT_S = 240  # the whole run, compilation included
 STEPS = 3

@@ -11,7 +11,7 @@ checks it against the reference and bitwise at one and two threads).
 
 from __future__ import annotations
 
-from grad_cases import check_cases
+from support.grad_cases import check_cases
 
 _CASES = """[
     ((16, 4100), torch.float32, None, False, False),             # 5 column blocks, the last of 4, in parallel

@@ -13,7 +13,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import torch_bn_grad
-from reference import HALF_TYPES, assert_close, cases, reference_backward, reference_forward, stats_dtype
+from support.reference import HALF_TYPES, assert_close, cases, reference_backward, reference_forward, stats_dtype
 from test_fused_act import ACTIVATIONS, _act  # torch's composition, leaky_relu's slope 0.2
 from torch_bn_grad import functional as BF
 

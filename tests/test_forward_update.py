@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import torch_bn_grad
-from recorded_ops import RecordedOps
-from reference import normalization_inputs
+from support.recorded_ops import RecordedOps
+from support.reference import normalization_inputs
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward.default
 FORWARD_UPDATE = torch.ops.torch_bn_grad.batch_norm_forward.update

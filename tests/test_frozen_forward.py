@@ -12,8 +12,8 @@ import torch
 from torch.autograd import forward_ad
 
 import torch_bn_grad
-from recorded_ops import RecordedOps
-from reference import normalization_inputs
+from support.recorded_ops import RecordedOps
+from support.reference import normalization_inputs
 
 EPS = 1e-5
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_bn_grad
-from fused_act_cases import ACTIVATIONS, EPS, INVERTIBLE, LAYOUTS, SLOPE, rounded_inputs
-from isa_runs import run_on_every_isa
+from support.batch_norm_act_cases import ACTIVATIONS, EPS, INVERTIBLE, LAYOUTS, SLOPE, rounded_inputs
+from support.isa_runs import run_on_every_isa
 from torch_bn_grad.functional import batch_norm_act
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_act_cases import ACTIVATIONS, EPS, SLOPE, rounded_inputs
+from support.batch_norm_act_cases import ACTIVATIONS, EPS, SLOPE, rounded_inputs
 from torch_bn_grad.functional import batch_norm_act
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from isa_runs import run_on_every_isa
+from support.isa_runs import run_on_every_isa
 from torch_bn_grad.functional import batch_norm_act
 
 EPS = 1e-5

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import torch_bn_grad
-from recorded_steps import record_steps
-from spawned_ranks import WORLD_SIZE, run_on_ranks
+from support.recorded_steps import record_steps
+from support.spawned_ranks import WORLD_SIZE, run_on_ranks
 
 SIZES = (3, 2)  # per-rank batch sizes
 STEPS = 2

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import torch_bn_grad
-from interop_models import assert_same_state, example_input, twins
-from onnx_runs import EXPORTERS, assert_close_relative, assert_standard_ops, export, ops, run
+from support.interop_models import assert_same_state, example_input, twins
+from support.onnx_runs import EXPORTERS, assert_close_relative, assert_standard_ops, export, ops, run
 
 pytest.importorskip("onnx", reason="the onnx package is needed to read exported models")
 pytest.importorskip("onnxruntime", reason="onnxruntime is needed to run exported models")

@@ -24,7 +24,7 @@ from torch.ao.quantization import quantize_fx
 
 import torch_bn_grad
 from torch_bn_grad import _compat, _quantization
-from interop_models import assert_same_state, example_input, torch_type, twins
+from support.interop_models import assert_same_state, example_input, torch_type, twins
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from interop_models import assert_same_state, example_input, twins
+from support.interop_models import assert_same_state, example_input, twins
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
 

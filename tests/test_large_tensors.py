@@ -58,8 +58,8 @@ import os
 import subprocess
 import sys
 
-from grad_cases import check_cases
-from isa_runs import run_on_every_isa
+from support.grad_cases import check_cases
+from support.isa_runs import run_on_every_isa
 
 
 # ------------------------------------------------------------------ outputs written with streaming stores

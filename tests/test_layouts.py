@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_bn_grad
-from reference import assert_close, reference_backward, reference_forward, stats_dtype
+from support.reference import assert_close, reference_backward, reference_forward, stats_dtype
 
 SHAPE = (4, 6, 5, 8)  # N, C, H, W
 SHAPE_3D = (2, 4, 3, 5, 6)  # N, C, D, H, W

@@ -12,9 +12,9 @@ import torch
 
 import torch_bn_grad
 from torch_bn_grad import functional as F
-from isa_runs import run_on_every_isa
-from masked_reference import gathered_forward, lengths_mask, padded_batch
-from reference import DTYPES, TOLERANCES, stats_dtype
+from support.isa_runs import run_on_every_isa
+from support.masked_reference import gathered_forward, lengths_mask, padded_batch
+from support.reference import DTYPES, TOLERANCES, stats_dtype
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
 BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import torch_bn_grad
-from masked_reference import lengths_mask, padded_batch
+from support.masked_reference import lengths_mask, padded_batch
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
 BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 
 import torch_bn_grad
-from interop_models import randomize_batchnorms
-from masked_reference import padded_batch
-from onnx_runs import EXPORTERS, assert_close_relative, assert_standard_ops, export, ops, run
+from support.interop_models import randomize_batchnorms
+from support.masked_reference import padded_batch
+from support.onnx_runs import EXPORTERS, assert_close_relative, assert_standard_ops, export, ops, run
 
 pytest.importorskip("onnx", reason="the onnx package is needed to read exported models")
 pytest.importorskip("onnxruntime", reason="onnxruntime is needed to run exported models")

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 import torch_bn_grad
-from interop_models import randomize_batchnorms
-from masked_reference import padded_batch
+from support.interop_models import randomize_batchnorms
+from support.masked_reference import padded_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

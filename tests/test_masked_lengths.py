@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 import torch_bn_grad
-from masked_reference import lengths_mask
-from spawned_ranks import WORLD_SIZE, run_on_ranks
+from support.masked_reference import lengths_mask
+from support.spawned_ranks import WORLD_SIZE, run_on_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import torch_bn_grad
-from masked_reference import gathered_forward, lengths_mask
-from reference import DEVICES
-from spawned_ranks import WORLD_SIZE, run_on_ranks
+from support.masked_reference import gathered_forward, lengths_mask
+from support.reference import DEVICES
+from support.spawned_ranks import WORLD_SIZE, run_on_ranks
 
 # Per scenario: the lengths of each rank's sequences (frames of 12).
 SCENARIOS = {

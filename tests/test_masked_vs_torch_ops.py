@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from masked_reference import gathered_forward, padded_batch
+from support.masked_reference import gathered_forward, padded_batch
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "masked_torch_ops.py"
 _SPEC = importlib.util.spec_from_file_location("benchmark_masked_torch_ops", _PATH)

@@ -13,7 +13,7 @@ import torch
 
 import torch_bn_grad
 from torch_bn_grad import memory
-from reference import assert_close
+from support.reference import assert_close
 
 LARGE = (8, 16, 48, 48)  # 1.18 MB of float32: cached
 SMALL = (4, 8, 16, 16)  # 32 KB: plain allocation

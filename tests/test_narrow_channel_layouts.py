@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from grad_cases import check_cases
+from support.grad_cases import check_cases
 
 _CASES = """[
     ((301, 16), torch.float16, None, False, False),

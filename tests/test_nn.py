@@ -11,7 +11,7 @@ import torch
 
 import torch_bn_grad
 from torch_bn_grad import nn as bn_nn
-from reference import assert_modules_match
+from support.reference import assert_modules_match
 
 MODULES = {
     "1d-NC": (torch.nn.BatchNorm1d, bn_nn.BatchNorm1d, (16, 6)),

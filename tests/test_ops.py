@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import torch_bn_grad
-from isa_runs import run_on_every_isa
-from reference import assert_close, cases, reference_backward, reference_forward
+from support.isa_runs import run_on_every_isa
+from support.reference import assert_close, cases, reference_backward, reference_forward
 
 CASES = list(cases())
 IDS = [str(c) for c in CASES]

@@ -43,8 +43,8 @@ process of each ISA.
 from __future__ import annotations
 
 
-from grad_cases import check_cases
-from isa_runs import run_on_every_isa
+from support.grad_cases import check_cases
+from support.isa_runs import run_on_every_isa
 
 
 # ------------------------------------------------------------------ rows of channels with a partial last chunk

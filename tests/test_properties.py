@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch_bn_grad
-from reference import DTYPES, assert_close, broadcast_shape, reference_backward, reference_forward, stats_dtype
+from support.reference import DTYPES, assert_close, broadcast_shape, reference_backward, reference_forward, stats_dtype
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

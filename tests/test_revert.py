@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import torch_bn_grad
 from torch_bn_grad import _activation, _revert
 from torch_bn_grad import nn as bn_nn
-from interop_models import Block, Net, assert_same_state, example_input, randomize_batchnorms
+from support.interop_models import Block, Net, assert_same_state, example_input, randomize_batchnorms
 
 try:
     import timm

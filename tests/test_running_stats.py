@@ -7,7 +7,7 @@ import torch
 
 import torch_bn_grad  # noqa: F401  (registers the operators)
 from torch_bn_grad import _running_stats
-from reference import DEVICES
+from support.reference import DEVICES
 
 OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
 

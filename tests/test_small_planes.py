@@ -16,7 +16,7 @@ two threads.
 
 from __future__ import annotations
 
-from grad_cases import check_cases
+from support.grad_cases import check_cases
 
 _CASES = """[
     ((32, 301, 7, 7), torch.float32, None, False, False),   # 15 column blocks, the last partial

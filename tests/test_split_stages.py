@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import assert_close, cases, reference_backward, reference_forward
+from support.reference import assert_close, cases, reference_backward, reference_forward
 from torch_bn_grad import stages
 
 CASES = list(cases())

@@ -11,7 +11,7 @@ import torch
 
 import torch_bn_grad  # noqa: F401  (loads the operators)
 
-from reference import assert_close, cases, normalization_inputs, reference_forward
+from support.reference import assert_close, cases, normalization_inputs, reference_forward
 
 OP = torch.ops.torch_bn_grad.batch_norm_stats_affine.default
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward.default

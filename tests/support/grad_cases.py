@@ -11,7 +11,7 @@ at two threads.
 
 from __future__ import annotations
 
-from isa_runs import run_on_every_isa
+from .isa_runs import run_on_every_isa
 
 _SCRIPT = r"""
 import json, torch, torch.nn.functional as F, torch_bn_grad

@@ -9,7 +9,7 @@ per-channel planes; channels_last: channels innermost).
 
 Both libraries run on the device asked for (CPU, or CUDA where torch's native op is
 cuDNN's or ATen's CUDA kernel); the reference is always float64 on the CPU.
-Run ``python tests/accuracy.py [cpu|cuda]`` to print the table (markdown).
+Run ``python -m tests.support.accuracy [cpu|cuda]`` to print the table (markdown).
 
 Native takes and returns ``invstd = (variance + eps)^-1/2`` (float32) where we
 take and return the variance; its variance is read back as
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 import torch_bn_grad
-from reference import reference_backward, reference_forward
+from .reference import reference_backward, reference_forward
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAYOUTS = ("contiguous", "channels_last")
