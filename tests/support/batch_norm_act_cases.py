@@ -1,10 +1,12 @@
-"""The fused operators' test cases shared by tests/test_fused_act.py and
-tests/test_fused_act_compile.py: activations, layouts of ranks 2 to 5, and
+"""The fused operators' test cases shared by tests/fused/test_batch_norm_act.py,
+tests/fused/test_batch_norm_act_compile.py and tests/autograd/test_forward_ad.py:
+activations (and torch's composition of each), layouts of ranks 2 to 5, and
 float64 inputs already rounded to the dtype under test."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 ACTIVATIONS = ("identity", "relu", "leaky_relu", "silu")
 INVERTIBLE = ("identity", "leaky_relu")
@@ -36,3 +38,9 @@ def rounded_inputs(layout, dtype, with_residual, seed=0):
     pdtype = torch.float64 if dtype == torch.float64 else torch.float32
     data = [t.to(dtype).double() if t is not None else None for t in (x, r, dy)]
     return (*data, *(t.to(pdtype).double() for t in (w, b, rm, rv)))
+
+
+def torch_activation(z, activation, slope=SLOPE):
+    """torch's activation `activation` of z (leaky_relu with `slope`)."""
+    return {"identity": lambda t: t, "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, slope),
+            "silu": F.silu}[activation](z)

@@ -1,4 +1,4 @@
-// Host driver of csrc/math/compensated.h for tests/test_cuda_statistics_accuracy.py: runs the
+// Host driver of csrc/math/compensated.h for tests/cuda/test_cuda_statistics_accuracy.py: runs the
 // CUDA kernels' schedule on the host (blocks of threads, each thread reading
 // every threads-th vector of N values of its block, lanes folded, threads
 // merged in a tree, block partials merged with Chan's formula in float64).

@@ -22,7 +22,7 @@ from torch_bn_grad.bench import ops as bench
 from torch_bn_grad.bench import processes
 from torch_bn_grad.bench import resnets as _models
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", sorted(_models.MODELS))

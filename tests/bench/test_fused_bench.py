@@ -17,7 +17,7 @@ import torch_bn_grad
 from torch_bn_grad.bench import models as _model_bench
 from torch_bn_grad.bench import resnets as _models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _checkout_benchmark(name: str):

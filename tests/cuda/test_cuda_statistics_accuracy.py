@@ -4,7 +4,7 @@ partials merged with Chan's formula) checked on the host against float64, on
 inputs that break plain float32 accumulation: a large common offset (mean 1e4
 with unit noise, mean 1e3 with variance 1e-6), values near the float16 range
 limit, bfloat16 data, float64 data with an offset of 1e9, an outlier as the
-centre. ``tests/native/compensated_driver.cpp`` runs the kernels' schedule
+centre. ``tests/support/native/compensated_driver.cpp`` runs the kernels' schedule
 (blocks, threads reading strided vectors, lanes folded, a reduction tree) with
 g++; no GPU is needed. Skipped without a C++ compiler.
 """
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(ROOT, "tests", "native", "compensated_driver.cpp")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DRIVER = os.path.join(ROOT, "tests", "support", "native", "compensated_driver.cpp")
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or c++) in PATH")
 

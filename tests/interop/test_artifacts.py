@@ -18,7 +18,7 @@ import torch
 import torch_bn_grad
 from torch_bn_grad import artifacts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _model() -> torch.nn.Module:

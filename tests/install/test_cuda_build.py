@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "csrc")
 sys.path.insert(0, ROOT)
 import build_sources  # noqa: E402  (the build's own sources)

@@ -17,7 +17,7 @@ import torch
 import torch_bn_grad
 from support.masked_reference import gathered_forward, padded_batch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "masked_torch_ops.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "masked_torch_ops.py"
 _SPEC = importlib.util.spec_from_file_location("benchmark_masked_torch_ops", _PATH)
 torch_ops = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(torch_ops)

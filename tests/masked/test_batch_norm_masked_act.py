@@ -13,8 +13,7 @@ import torch
 import torch_bn_grad
 from torch_bn_grad import _activation
 from torch_bn_grad._masked import masked_add_activate
-from support.masked_reference import gathered_forward, padded_batch
-from test_masked_batch_norm import LAYOUTS, close, laid_out, parameters
+from support.masked_reference import LAYOUTS, close, gathered_forward, laid_out, padded_batch, parameters
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
 ACT_FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_act_forward.default

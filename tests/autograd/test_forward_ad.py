@@ -1,6 +1,6 @@
 """Forward-mode AD: torch.func.jvp, jacfwd, hessian and torch.autograd.forward_ad
 through the operators, the functional API, the fused operators and the modules,
-against the float64 reference composites (tests/reference.py) and torch's own
+against the float64 reference composites (tests/support/reference.py) and torch's own
 batch norm; tangents of tangents (jacrev of jacfwd, hessian = jacfwd of jacrev)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import torch_bn_grad
 from support.reference import HALF_TYPES, assert_close, cases, reference_backward, reference_forward, stats_dtype
-from test_fused_act import ACTIVATIONS, _act  # torch's composition, leaky_relu's slope 0.2
+from support.batch_norm_act_cases import ACTIVATIONS, torch_activation  # leaky_relu's slope 0.2
 from torch_bn_grad import functional as BF
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_forward.default
@@ -162,7 +162,7 @@ def test_fused_jvp_matches_torch_composition(activation, training, memory_saving
     def theirs(x, w, b, r):
         z = F.batch_norm(x.double(), *(None if s is None else s.double() for s in stats), w.double(), b.double(),
                          training, 0.1, EPS)
-        return _act(z + r.double(), activation)
+        return torch_activation(z + r.double(), activation)
 
     args = (x, w, b, r)
     tangents = _tangents(args, g)
@@ -183,7 +183,7 @@ def test_fused_hessian_matches_torch(activation):
     w, b = torch.rand(3, generator=g, dtype=torch.float64) + 0.5, torch.randn(3, generator=g, dtype=torch.float64)
     ours = lambda x: (BF.batch_norm_act(x, None, None, w, b, True, residual=r, activation=activation,  # noqa: E731
                                         negative_slope=0.2) ** 2).sum()
-    theirs = lambda x: (_act(F.batch_norm(x, None, None, w, b, True) + r, activation) ** 2).sum()  # noqa: E731
+    theirs = lambda x: (torch_activation(F.batch_norm(x, None, None, w, b, True) + r, activation) ** 2).sum()  # noqa: E731
     torch.testing.assert_close(torch.func.hessian(ours)(x), torch.func.hessian(theirs)(x))
 
 

@@ -15,7 +15,7 @@ import pathlib
 from typing import Optional
 
 PACKAGE = "torch_bn_grad"
-ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = pathlib.Path(__file__).resolve().parents[2] / PACKAGE
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -26,7 +26,7 @@ import torch
 
 import torch_bn_grad
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "torch_bn_grad" / "bench"
 TORCH_SITE = Path(torch.__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Every output is at least as accurate as torch's native batch norm on the same device, for
 float32, float16 and bfloat16, on ordinary and ill-conditioned data, in both
-kernel families (see accuracy.py; `python tests/accuracy.py` prints the table)."""
+kernel families (see tests/support/accuracy.py; `python -m tests.support.accuracy` prints the table)."""
 
 from __future__ import annotations
 

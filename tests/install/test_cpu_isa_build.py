@@ -24,7 +24,7 @@ from torch.utils import cpp_extension
 
 import torch_bn_grad
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 import build_sources  # noqa: E402  (the build's own sources)
 import cpu_build  # noqa: E402  (the build's own choice of copies and flags)

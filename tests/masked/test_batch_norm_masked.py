@@ -13,41 +13,11 @@ import torch
 import torch_bn_grad
 from torch_bn_grad import functional as F
 from support.isa_runs import run_on_every_isa
-from support.masked_reference import gathered_forward, lengths_mask, padded_batch
-from support.reference import DTYPES, TOLERANCES, stats_dtype
+from support.masked_reference import LAYOUTS, close, gathered_forward, laid_out, lengths_mask, padded_batch, parameters
+from support.reference import DTYPES, stats_dtype
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
 BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default
-
-# (shape, layout): NCX-contiguous planes, channels-last rows (an (N, L, C) tensor
-# transposed, channels_last and channels_last_3d), and 4-D / 5-D planes.
-LAYOUTS = [
-    ((4, 6, 37), "contiguous"),
-    ((4, 6, 37), "transposed"),
-    ((3, 5, 9, 4), "contiguous"),
-    ((3, 5, 9, 4), "channels_last"),
-    ((2, 4, 5, 3, 6), "contiguous"),
-    ((2, 4, 5, 3, 6), "channels_last_3d"),
-    ((3, 40, 70), "contiguous"),  # rows long enough for the vector loops and partial chunks
-    ((3, 40, 70), "transposed"),
-]
-
-
-def laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "transposed":
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout == "channels_last":
-        return x.contiguous(memory_format=torch.channels_last)
-    if layout == "channels_last_3d":
-        return x.contiguous(memory_format=torch.channels_last_3d)
-    return x.contiguous()
-
-
-def parameters(channels: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    weight = (torch.rand(channels, generator=g, dtype=torch.float64) + 0.5).to(stats_dtype(dtype))
-    bias = torch.randn(channels, generator=g, dtype=torch.float64).to(stats_dtype(dtype))
-    return weight, bias
 
 
 def run_masked(x, mask, weight, bias, dy, eps=1e-5):
@@ -71,11 +41,6 @@ def run_reference(x, mask, weight, bias, dy, eps=1e-5):
     dst, mean, var, count = gathered_forward(x, mask, w, b, eps)
     dst.backward(dy.double())
     return dst, mean, var, count, x.grad, w.grad, b.grad
-
-
-def close(actual, expected, dtype, scale=1.0):
-    tol = TOLERANCES[dtype]
-    torch.testing.assert_close(actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

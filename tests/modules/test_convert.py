@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import torch_bn_grad
 from torch_bn_grad import nn as bn_nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 try:
     import timm
@@ -228,7 +228,7 @@ def test_pickle_of_converted_subclass_in_a_fresh_process(tmp_path):
     # In a new process the derived class is rebuilt by name (the test module is importable there).
     path = tmp_path / "model.pt"
     torch.save(model, path)
-    code = ("import sys, torch; sys.path.insert(0, 'tests'); "
+    code = (f"import sys, torch; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
             f"m = torch.load({str(path)!r}, weights_only=False); "
             "from torch_bn_grad.nn import SyncBatchNorm; assert isinstance(m[0], SyncBatchNorm), type(m[0]); "
             "print(type(m[0]).__mro__[1].__name__)")

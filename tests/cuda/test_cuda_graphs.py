@@ -3,7 +3,7 @@ plain and fused, captured with ``torch.cuda.graph`` and replayed, gives bitwise
 the eager step's results (loss, parameters, running statistics); and the model
 runs under ``torch.compile(mode="reduce-overhead")`` (inductor's CUDA graph
 trees) with no graph skipped, bitwise equal to the same compiled model without
-CUDA graphs. (Compiled against eager: tests/test_compile.py; five SGD steps
+CUDA graphs. (Compiled against eager: tests/compile/test_compile.py; five SGD steps
 at lr 0.1 drift further apart than a fixed tolerance, through the
 convolutions' own compiled code.)
 

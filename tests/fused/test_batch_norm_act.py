@@ -4,7 +4,7 @@ composition in float64 (no worse than that composition run in the same
 dtype), every activation, with and without a residual, training and frozen,
 layouts and ranks 2 to 5; the memory-saving backward; gradcheck and
 gradgradcheck; opcheck; errors; determinism (torch.compile and export:
-tests/test_fused_act_compile.py)."""
+tests/fused/test_batch_norm_act_compile.py)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,15 @@ import torch
 import torch.nn.functional as F
 
 import torch_bn_grad
-from support.batch_norm_act_cases import ACTIVATIONS, EPS, INVERTIBLE, LAYOUTS, SLOPE, rounded_inputs
+from support.batch_norm_act_cases import ACTIVATIONS, EPS, INVERTIBLE, LAYOUTS, SLOPE, rounded_inputs, torch_activation
 from support.isa_runs import run_on_every_isa
 from torch_bn_grad.functional import batch_norm_act
-
-
-def _act(z, activation, slope=SLOPE):
-    return {"identity": lambda t: t, "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, slope),
-            "silu": F.silu}[activation](z)
 
 
 def _unfused(x, rm, rv, w, b, training, residual, activation):
     """torch's composition: F.batch_norm + add + activation."""
     z = F.batch_norm(x, rm, rv, w, b, training, 0.1, EPS)
-    return _act(z + residual if residual is not None else z, activation)
+    return torch_activation(z + residual if residual is not None else z, activation)
 
 
 def _run(fn, x, r, dy, w, b, rm, rv, dtype, training):
@@ -70,7 +65,7 @@ def test_accuracy_no_worse_than_unfused(activation, with_residual, training, lay
     # fused operator shares the plain kernels' sums, whose plain runs
     # (exact_sum.h) may leave diff_gamma/diff_beta a few float32 ulps off where
     # native's are within one.
-    plain_fn = lambda x, rm, rv, w, b, t, r: _act(  # noqa: E731
+    plain_fn = lambda x, rm, rv, w, b, t, r: torch_activation(  # noqa: E731
         torch_bn_grad.functional.batch_norm(x, rm, rv, w, b, t, 0.1, EPS) + (r if r is not None else 0), activation)
     native = _run(native_fn, *data, dtype, training)
     plain = _run(plain_fn, *data, dtype, training)
@@ -183,7 +178,7 @@ def test_forward_matches_plain_operator_then_activation(form):
         ours, m, v = torch_bn_grad.batch_norm_act_forward(x, gamma, None, residual=r, activation=activation,
                                                           negative_slope=SLOPE, data_format=fmt)
         plain, m2, v2 = torch_bn_grad.batch_norm_forward(x, gamma, None, data_format=fmt)
-        torch.testing.assert_close(ours, _act(plain + r, activation), atol=3e-6, rtol=3e-6)
+        torch.testing.assert_close(ours, torch_activation(plain + r, activation), atol=3e-6, rtol=3e-6)
         torch.testing.assert_close((m, v), (m2, v2), atol=0, rtol=0)
 
 

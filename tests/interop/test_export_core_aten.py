@@ -18,7 +18,7 @@ import torch_bn_grad
 from torch_bn_grad import artifacts, functional
 from torch_bn_grad import nn as bnn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FROZEN = torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite
 ACT_FROZEN = torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite
 NATIVE = torch.ops.aten._native_batch_norm_legit_no_training.default
