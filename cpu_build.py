@@ -1,5 +1,5 @@
 """Which copies of the per-ISA CPU kernels setup.py compiles, and with what
-flags (imported by setup.py and tests/test_cpu_isa_build.py; not installed).
+flags (imported by setup.py and tests/install/test_cpu_isa_build.py; not installed).
 
 The kernels in ``csrc/cpu/kernels/*.cpp`` are compiled once per instruction
 set, each copy in its own namespace (``CPU_CAPABILITY``, as ATen's own), and

@@ -1,6 +1,6 @@
 """A masked BatchNorm1d written from torch operations, the way PyTorch code that
 needs one usually writes it: the comparison point of ``benchmarks/masked.py``
-(variant ``torch_ops``) and of ``tests/test_masked_vs_torch_ops.py``.
+(variant ``torch_ops``) and of ``tests/masked/test_masked_vs_torch_ops.py``.
 
 Statistics from masked sums, the variance as E[x^2] - E[x]^2 (biased) in the
 data's dtype, the output ``(x - mean) * rsqrt(var + eps) * weight + bias``

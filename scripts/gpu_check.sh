@@ -9,7 +9,7 @@
 #                architecture only, then one forward on the GPU; skipped when an extension
 #                built in advance for this torch and Python (torch_bn_grad/_C*.so) already
 #                runs that forward
-#   gpu-tests    the tests that run on CUDA (every "cuda" case, test_cuda.py), 4 processes
+#   gpu-tests    the tests that run on CUDA (every "cuda" case, tests/cuda/), 4 processes
 #   host-cost    benchmarks/host_cost.py: host time and launches per call (torch.profiler)
 #   bench        python -m torch_bn_grad.bench --device cuda (ResNet-50 shapes at batch 32)
 #   models       the ResNet-50 training step (batch 64, 224x224, channels_last, eager and
@@ -41,8 +41,8 @@ export PYTHONUNBUFFERED=1  # logs stay complete up to the moment a time limit st
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 failed=0
 
-# Tests whose id names CUDA: the "cuda" device cases and test_cuda.py; the nvcc
-# compile check (test_cuda_build.py) runs no GPU code and goes with the rest.
+# Tests whose id names CUDA: the "cuda" device cases and tests/cuda/; the nvcc
+# compile check (tests/install/test_cuda_build.py) runs no GPU code and goes with the rest.
 GPU_TESTS="cuda and not cuda_build"
 PYTEST=("$PY" -m pytest -p no:cacheprovider -rs --durations=20 --continue-on-collection-errors)
 # pytest-xdist, where installed, runs the GPU tests in 4 processes (the GPU has room; the host

@@ -2,9 +2,9 @@
 worker's share of the CPUs.
 
 A test that takes a ``device`` argument runs once per entry of
-``reference.DEVICES``: on the CPU, and on CUDA where it is available. Where it
-is not, no CUDA case is generated (nothing is skipped), and ``test_cuda.py``,
-whose tests all need a GPU, is not collected.
+``support.reference.DEVICES``: on the CPU, and on CUDA where it is available.
+Where it is not, no CUDA case is generated (nothing is skipped), and
+``cuda/test_cuda.py``, whose tests all need a GPU, is not collected.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from reference import DEVICES
+from support.reference import DEVICES
 
-collect_ignore = [] if "cuda" in DEVICES else ["test_cuda.py"]
+collect_ignore = [] if "cuda" in DEVICES else ["cuda/test_cuda.py"]
 
 
 @pytest.fixture(scope="session", params=DEVICES)

@@ -21,7 +21,7 @@ the torch class of the same name:
 These tables are private to torch; ``_compat.quantization_internals`` reaches
 them in one place (with the other private APIs) and raises a clear error naming the torch version when they change. On
 import, such an error becomes a warning (everything else in the library
-works); ``tests/test_interop_quantization.py`` calls :func:`register` directly.
+works); ``tests/interop/test_interop_quantization.py`` calls :func:`register` directly.
 """
 
 from __future__ import annotations

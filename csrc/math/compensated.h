@@ -1,7 +1,7 @@
 // Compensated scalar sums and the shifted second moment, one value at a time:
 // what each CUDA thread accumulates (cuda/thread_states.cuh), written once as
 // __host__ __device__ functions so that a host compiler checks them too
-// (tests/test_cuda_statistics_accuracy.py). The CPU kernels do the same with vectors
+// (tests/cuda/test_cuda_statistics_accuracy.py). The CPU kernels do the same with vectors
 // (cpu/kernels/exact_sum.h), about the block mean rounded to an exact centre.
 //
 // * ExactSum {sum, err}: sum + err is the running sum, err collecting the

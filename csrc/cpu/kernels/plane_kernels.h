@@ -220,7 +220,7 @@ struct PlaneKernels {
   // sum stays under 8 times its largest term, so a run rounds only terms
   // over 2^10 (bfloat16: 2^13) times smaller than its largest, and only
   // their low bits. Where such data cancel, the mean is then a few float32
-  // units from the exact one (up to 14 on tests/accuracy.py's "mixed
+  // units from the exact one (up to 14 on tests/support/accuracy.py's "mixed
   // magnitudes"; 0 or 1 on ordinary data), as on channels_last, instead of
   // correctly rounded: about 30x closer than native's there.
   template <int G>

@@ -1,0 +1,40 @@
+"""setup.py builds what lies under csrc/, found by build_sources.py: a new file
+or folder is compiled without being listed anywhere, the per-ISA kernels once
+per instruction set and nothing twice."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import build_sources  # noqa: E402  (the build's own source list)
+
+
+def _touch(root, *paths: str) -> None:
+    for path in paths:
+        os.makedirs(os.path.join(root, os.path.dirname(path)), exist_ok=True)
+        open(os.path.join(root, path), "w").close()
+
+
+def test_a_new_folder_is_built(tmp_path):
+    _touch(tmp_path, "csrc/ops.cpp", "csrc/new_feature/thing.cpp", "csrc/new_feature/deeper/more.cpp",
+           "csrc/cpu/kernels/k.cpp", "csrc/cpu/kernels/k.h", "csrc/cuda/c.cu", "csrc/cuda/new/d.cu", "csrc/a.h")
+    assert build_sources.generic_sources(str(tmp_path)) == [
+        "csrc/new_feature/deeper/more.cpp", "csrc/new_feature/thing.cpp",
+        "csrc/ops.cpp"]
+    assert build_sources.kernel_sources(str(tmp_path)) == ["csrc/cpu/kernels/k.cpp"]
+    assert build_sources.cuda_sources(str(tmp_path)) == ["csrc/cuda/c.cu", "csrc/cuda/new/d.cu"]
+    assert "csrc/a.h" in build_sources.dependencies(str(tmp_path))
+
+
+def test_every_source_of_the_checkout_is_built_once():
+    generic, kernels, cuda = (build_sources.generic_sources(), build_sources.kernel_sources(),
+                              build_sources.cuda_sources())
+    on_disk = sorted(os.path.relpath(os.path.join(folder, name), ROOT)
+                     for folder, _, names in os.walk(os.path.join(ROOT, "csrc"))
+                     for name in names if name.endswith((".cpp", ".cu")))
+    assert sorted(generic + kernels + cuda) == on_disk
+    assert not set(generic) & set(kernels)
+    assert "csrc/ops.cpp" in generic and kernels and cuda
