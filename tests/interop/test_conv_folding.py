@@ -126,22 +126,25 @@ def _call_lines(code: str) -> list[str]:
     return [re.sub(r"_frozen_param\d+", "_frozen_param", line) for line in calls]  # numbered per compile
 
 
-def test_inductor_freezing_folds_ours_as_torch_modules(monkeypatch):
+def test_inductor_freezing_folds_ours_as_torch_modules():
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(inductor_config, "freezing", True)
     seq = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4))
     reference = randomize_batchnorms(seq, torch.Generator().manual_seed(0)).eval()
     x = torch.randn(2, 3, 10, 10)
     codes = []
-    for model in (reference, torch_bn_grad.convert_batchnorm(copy.deepcopy(reference), fuse=True)):
-        torch._dynamo.reset()
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out, code = run_and_get_code(torch.compile(model), x)
-            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
-        codes.append("\n".join(code))
+    # config.patch, not monkeypatch: monkeypatch's undo leaves inductor's config module without the
+    # setting, which fails every later compile in the process.
+    with inductor_config.patch(freezing=True):
+        for model in (reference, torch_bn_grad.convert_batchnorm(copy.deepcopy(reference), fuse=True)):
+            torch._dynamo.reset()
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out, code = run_and_get_code(torch.compile(model), x)
+                torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+            codes.append("\n".join(code))
+    torch._dynamo.reset()
     calls = _call_lines(codes[1])
     assert calls and not any("torch_bn_grad" in line for line in calls), calls
     assert calls == _call_lines(codes[0])  # the same kernels as torch's folded model

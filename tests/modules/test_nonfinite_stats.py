@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from nonfinite_cases import CASES, assert_as_torch, assert_bitwise, buffers, torch_from
+from support.nonfinite_cases import CASES, assert_as_torch, assert_bitwise, buffers, torch_from
 
 MOMENTA = [0.1, None]
 POISONS = [float("inf"), float("nan")]

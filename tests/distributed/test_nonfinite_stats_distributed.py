@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import torch_bn_grad
-from nonfinite_cases import CASES, CHANNELS, assert_as_torch, assert_bitwise, buffers, torch_from
-from spawned_ranks import WORLD_SIZE, run_on_ranks
+from support.nonfinite_cases import CASES, CHANNELS, assert_as_torch, assert_bitwise, buffers, torch_from
+from support.spawned_ranks import WORLD_SIZE, run_on_ranks
 
 TIMEOUT_S = 240
 POISONED_RANK = 1

@@ -1,4 +1,4 @@
-"""The layers and batches of the non-finite statistics tests (tests/test_nonfinite_stats*.py).
+"""The layers and batches of the non-finite statistics tests (tests/modules/test_nonfinite_stats.py, tests/distributed/test_nonfinite_stats_distributed.py).
 
 A case builds this library's module with ``skip_nonfinite_stats`` on or off and
 torch's counterpart, and runs a training step on either; the torch step of a
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 import torch_bn_grad
-from masked_reference import lengths_mask
+from .masked_reference import lengths_mask
 
 CHANNELS = 3
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
