@@ -5,7 +5,7 @@ device; off (the default), the buffers turn NaN as torch's do. The step's output
 is the same either way, and the next finite batch updates as torch's module would
 from the preserved state (the cumulative average's factor included). Eager,
 ``torch.compile(fullgraph=True)``, TorchScript, and a captured CUDA graph.
-SyncBatchNorm over a process group: tests/test_nonfinite_stats_distributed.py.
+SyncBatchNorm over a process group: tests/distributed/test_nonfinite_stats_distributed.py.
 """
 
 from __future__ import annotations
