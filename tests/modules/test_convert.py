@@ -22,19 +22,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import torch_bn_grad
 from torch_bn_grad import nn as bn_nn
+from support.optional_timm import needs_timm, timm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-try:
-    import timm
-    from timm.layers import BatchNormAct2d
-except Exception as exc:  # noqa: BLE001 (any import failure: torchvision mismatch, missing package)
-    timm = None
-    TIMM_SKIP = f"timm does not import here ({type(exc).__name__}: {exc})"
-else:
-    TIMM_SKIP = ""
-
-needs_timm = pytest.mark.skipif(timm is None, reason=TIMM_SKIP)
+BatchNormAct2d = timm.layers.BatchNormAct2d if timm is not None else None
 
 
 def _is_ours(m: torch.nn.Module) -> bool:
@@ -228,7 +220,9 @@ def test_pickle_of_converted_subclass_in_a_fresh_process(tmp_path):
     # In a new process the derived class is rebuilt by name (the test module is importable there).
     path = tmp_path / "model.pt"
     torch.save(model, path)
-    code = (f"import sys, torch; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+    here = os.path.dirname(os.path.abspath(__file__))
+    # The test module's folder, and tests/ for the support package it imports.
+    code = (f"import sys, torch; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
             f"m = torch.load({str(path)!r}, weights_only=False); "
             "from torch_bn_grad.nn import SyncBatchNorm; assert isinstance(m[0], SyncBatchNorm), type(m[0]); "
             "print(type(m[0]).__mro__[1].__name__)")

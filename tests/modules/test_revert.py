@@ -21,18 +21,11 @@ import torch_bn_grad
 from torch_bn_grad import _activation, _revert
 from torch_bn_grad import nn as bn_nn
 from support.interop_models import Block, Net, assert_same_state, example_input, randomize_batchnorms
+from support.optional_timm import needs_timm, timm
 
-try:
-    import timm
+if timm is not None:
     from timm.layers import BatchNormAct2d as TimmBatchNormAct2d
     from timm.layers import freeze_batch_norm_2d
-except Exception as exc:  # noqa: BLE001 (any import failure: torchvision mismatch, missing package)
-    timm = None
-    TIMM_SKIP = f"timm does not import here ({type(exc).__name__}: {exc})"
-else:
-    TIMM_SKIP = ""
-
-needs_timm = pytest.mark.skipif(timm is None, reason=TIMM_SKIP)
 
 
 def _ours(model: nn.Module) -> list[str]:
