@@ -48,8 +48,8 @@ def variants(activation: Optional[str]) -> tuple[str, ...]:
 def make_steps(shape: tuple, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
                activation: Optional[str] = None) -> dict[str, Callable[[], object]]:
     import torch_bn_grad
-    from torch_bn_grad import _activation
-    from torch_bn_grad._masked import masked_add_activate
+    from torch_bn_grad._rules import activation as _activation
+    from torch_bn_grad._forward.masked import masked_add_activate
 
     n, c, length = shape
     g = torch.Generator().manual_seed(seed)

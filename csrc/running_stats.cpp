@@ -9,7 +9,7 @@
 // batch_norm_forward.update, batch_norm_act_forward(_sign_bits).update: the
 // training forward, then this update.)
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
-// Python update that torch.compile traces instead (_running_stats.py).
+// Python update that torch.compile traces instead (_rules/running_stats.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -109,7 +109,7 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
 // count, float64 on the statistics' device): read where it is, so that no
 // step waits for the device. A CPU count is read on the host; on a GPU one
 // kernel reads it there; other tensors take the tensor arithmetic of
-// _running_stats.py (no update where the count is 0).
+// _rules/running_stats.py (no update where the count is 0).
 void update_running_stats_counted(const std::optional<at::Tensor>& running_mean,
                                   const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
                                   const at::Tensor& variance, const at::Tensor& count, double momentum) {

@@ -12,22 +12,18 @@ The CPU output cache: :mod:`torch_bn_grad.memory`.
 
 import torch  # noqa: F401  (loads libc10/libtorch, which the extension links against)
 
-from torch_bn_grad import _C  # noqa: F401  (loads the library and registers the operators)
-from torch_bn_grad import _autograd, _fake, _masked_autograd, _vmap  # noqa: F401  (autograd formulas, fakes, batching rules)
-from torch_bn_grad import config, errors, functional, memory, nn, stages
-from torch_bn_grad import _inductor
-from torch_bn_grad import _export_decomp  # noqa: F401  (the eval forward as torch.export records it)
-from torch_bn_grad.autograd import BatchNormFunction
-from torch_bn_grad.nn import convert_batchnorm
-from torch_bn_grad._fold import fold_conv_batchnorm
-from torch_bn_grad._revert import BatchNormActSequential, revert_batchnorm
-from torch_bn_grad.ops import batch_norm_act_backward, batch_norm_act_forward, batch_norm_backward, batch_norm_forward
+from torch_bn_grad import _C, _library
 
-# torch's tools (FX, quantization) treat this library's BatchNorms as torch's.
-from torch_bn_grad import _onnx, _quantization  # noqa: E402
+_library.register()  # the operators, and all torch learns of them beyond their C++ kernels
 
-_quantization.register_or_warn()
-_onnx.register()  # the operator's symbolic for the TorchScript-based ONNX exporter
+from torch_bn_grad import config, errors, functional, memory, nn, stages  # noqa: E402
+from torch_bn_grad._conversion.fold import fold_conv_batchnorm  # noqa: E402
+from torch_bn_grad._conversion.revert import revert_batchnorm  # noqa: E402
+from torch_bn_grad.autograd import BatchNormFunction  # noqa: E402
+from torch_bn_grad.nn import BatchNormActSequential, convert_batchnorm  # noqa: E402
+from torch_bn_grad.ops import (  # noqa: E402
+    batch_norm_act_backward, batch_norm_act_forward, batch_norm_backward, batch_norm_forward,
+)
 
 __all__ = [
     "BatchNormActSequential",
@@ -48,8 +44,6 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-_inductor.install()  # torch.compile (inductor): the operators' lowering, see torch_bn_grad.config
 
 
 def cpu_kernel_isa() -> str:

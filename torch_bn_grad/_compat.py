@@ -54,7 +54,7 @@ def _lookup(module: str, name: str) -> Any:
         ) from error
 
 
-# Autograd kernels that also work under torch.func (see _autograd_kernel.py).
+# Autograd kernels that also work under torch.func (see _library/autograd_kernel.py).
 enable_single_level_autograd_function = _lookup("torch._functorch.utils", "enable_single_level_autograd_function")
 AutoDispatchBelowAutograd = _lookup("torch._C", "_AutoDispatchBelowAutograd")
 OpOverload = _lookup("torch._ops", "OpOverload")
@@ -127,7 +127,7 @@ class PrivateAPIMissing(RuntimeError):
     """An optional private torch API is missing or not as expected; the message says which."""
 
 
-# Inductor (the lowering under torch.compile: _lowering.py, registered by _inductor.py).
+# Inductor (the lowering under torch.compile: _compile/lowering.py, registered by _compile/inductor.py).
 INDUCTOR_MIN_TORCH = (2, 5)
 INDUCTOR_DECOMPOSITION_MODULE = "torch._inductor.decomposition"
 
@@ -272,15 +272,15 @@ def tracer_decomposition(op: Any) -> Optional[Callable]:
     """``op``'s entry in the decomposition table of the make_fx tracer now recording
     (inductor's under torch.compile and AOTInductor), or None. Functionalization
     decomposes a CompositeImplicitAutograd operator before that tracer sees it,
-    so the operator's kernel looks its entry up itself (_export_decomp.py)."""
+    so the operator's kernel looks its entry up itself (_library/frozen_composite.py)."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
     table = getattr(mode, "decomposition_table", None)
     return None if table is None else table.get(op)
 
 
-# Quantization (FX leaves, fusion and backend tables, _quantization.py).
+# Quantization (FX leaves, fusion and backend tables, _interop/quantization.py).
 def quantization_internals() -> dict[str, Any]:
-    """The private quantization tables and classes that _quantization.py extends, checked.
+    """The private quantization tables and classes that _interop/quantization.py extends, checked.
 
     Raises PrivateAPIMissing naming the torch version and the missing piece when
     torch's quantization internals are not as expected."""

@@ -27,7 +27,7 @@ import types
 from typing import Callable
 
 # Called after every change of a setting: the inductor registration keeps
-# inductor's compile-cache key in step with ``compile_lowering`` (_inductor.py).
+# inductor's compile-cache key in step with ``compile_lowering`` (_compile/inductor.py).
 _observers: list[Callable[[], None]] = []
 
 

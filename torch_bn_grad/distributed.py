@@ -6,7 +6,7 @@ the forward (an all-gather of every process's packed ``(count, mean, m2)``,
 combined exactly with Chan et al.'s formula, so processes may hold different
 batch sizes, none included) and one in the backward (an all-reduce of the two
 packed per-channel gradient sums). With a mask, the same over the valid
-positions (``_masked_distributed.py``). The collectives are the traceable
+positions (``_forward/masked_stages.py``). The collectives are the traceable
 functional ones and nothing reads a tensor value on the host, so the layer
 compiles into one graph with ``torch.compile(fullgraph=True)`` and never
 synchronizes a CUDA stream with the host.
@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from torch_bn_grad import _channels, _compat, ops, stages
-from torch_bn_grad._checks import check_mask, check_training_eps
+from torch_bn_grad import _compat, ops, stages
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._rules.checks import check_mask, check_training_eps
 from torch_bn_grad._compat import functional_collectives as funcol
-from torch_bn_grad._masked_distributed import masked_grad_input, masked_grad_sums, masked_local_stats, masked_normalize
-from torch_bn_grad._running_stats import update_running_stats
+from torch_bn_grad._forward.masked_stages import masked_grad_input, masked_grad_sums, masked_local_stats, masked_normalize
+from torch_bn_grad._rules.running_stats import update_running_stats
 
 __all__ = ["sync_batch_norm"]
 

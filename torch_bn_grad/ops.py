@@ -1,8 +1,8 @@
 """The operators: documented Python wrappers over ``torch.ops.torch_bn_grad``.
 
 Both operators are differentiable to any order (autograd of the forward in
-``csrc/autograd/batch_norm_autograd.cpp``, of the backward in ``_autograd.py``); their
-fake implementations, for torch.compile and export, are in ``_fake.py``.
+``csrc/autograd/batch_norm_autograd.cpp``, of the backward in ``_library/autograd.py``); their
+fake implementations, for torch.compile and export, are in ``_library/fake.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation
-from torch_bn_grad._checks import check_data_format, epsilon_value, output_mask_value
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._rules.checks import check_data_format, epsilon_value, output_mask_value
 
 __all__ = ["batch_norm_forward", "batch_norm_backward", "batch_norm_act_forward", "batch_norm_act_backward"]
 

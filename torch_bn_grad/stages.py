@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad._checks import check_data_format, epsilon_value
+from torch_bn_grad._rules.checks import check_data_format, epsilon_value
 
 __all__ = ["batch_norm_local_stats", "batch_norm_grad_sums", "batch_norm_grad_input", "combine_stats"]
 
@@ -90,7 +90,3 @@ def combine_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     mean = (weights * means).sum(0)
     m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
     return count, mean, m2 / count.clamp_min(1)
-
-
-# Autograd of the three stages (registered on import).
-from torch_bn_grad import _stages_autograd  # noqa: E402,F401

@@ -2,7 +2,7 @@
 // of batch_norm_forward, for the operators' C++ autograd kernels. The
 // tangents are made of differentiable at:: operators, so reverse mode can
 // differentiate them again (jacrev of jacfwd); the backward operator's own
-// jvp (forward over reverse: hessian) is Python's (torch_bn_grad/_autograd.py).
+// jvp (forward over reverse: hessian) is Python's (torch_bn_grad/_library/autograd.py).
 #pragma once
 
 #include <ATen/ATen.h>

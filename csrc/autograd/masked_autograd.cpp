@@ -4,7 +4,7 @@
 // Python autograd.Function would cost interpreter time on every call, a large
 // share of a small padded layer's step. The gradient is the masked backward
 // operator (padded positions get 0 and are never read), whose own Autograd
-// kernel (Python, _masked_autograd.py) records it for higher orders. The
+// kernel (Python, _library/masked_autograd.py) records it for higher orders. The
 // fused forward's gradient is the fused backward operator (its gate, then the
 // same sums); under double backward its gate is times_act_grad's (act_grad.h)
 // in differentiable ops, then the masked backward operator.

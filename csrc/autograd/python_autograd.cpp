@@ -1,5 +1,5 @@
 // Autograd kernels whose formula is written in Python (the backward operator's
-// double backward and jvp, the split stages': torch_bn_grad/_autograd_kernel.py),
+// double backward and jvp, the split stages': torch_bn_grad/_library/autograd_kernel.py),
 // behind a check in C++. A call that records nothing (grad mode off or no
 // input requiring grad, and no forward-mode tangent) goes below autograd here;
 // through a Python kernel it would pay the interpreter and the argument

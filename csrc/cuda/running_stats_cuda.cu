@@ -25,7 +25,7 @@ __device__ __forceinline__ double product(double a, double b) { return __dmul_rn
 // half-precision buffer is updated as the tensor arithmetic does it: the
 // product in S, rounded to R, then at::lerp computing in S. `count` (float64,
 // on the device), where given, decides the variance's factor and whether to
-// update at all, as _running_stats.py's tensor arithmetic does.
+// update at all, as _rules/running_stats.py's tensor arithmetic does.
 template <typename R, typename S = at::opmath_type<R>>
 __global__ void __launch_bounds__(kRunningThreads)
     update_running_kernel(R* running_mean, R* running_var, const S* mean, const S* variance, int64_t channels,

@@ -15,8 +15,8 @@
 //
 // To add an activation: a struct below, an entry in `Kind` and `kind_names`,
 // a case in `dispatch_activation`; in Python its name in
-// torch_bn_grad/_checks.py, its dz as at:: ops in batch_norm_act_autograd.cpp (double
-// backward differentiates it) and in _inductor_act.py (the lowering).
+// torch_bn_grad/_rules/checks.py, its dz as at:: ops in batch_norm_act_autograd.cpp (double
+// backward differentiates it) and in _compile/inductor_act.py (the lowering).
 #pragma once
 
 #include <cmath>

@@ -12,7 +12,7 @@ import torch
 from torch.autograd import forward_ad
 
 import torch_bn_grad  # noqa: F401  (registers the operators)
-from torch_bn_grad import _autograd_kernel
+from torch_bn_grad._library import autograd_kernel as _autograd_kernel
 
 OPS = torch.ops.torch_bn_grad
 

@@ -52,7 +52,7 @@ def test_leaky_resnet_fuses_with_memory_saving():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every site fuses: no warning
         fused = torch_bn_grad.convert_batchnorm(model, fuse=True, memory_saving=True)
-    modules = [m for m in fused.modules() if isinstance(m, torch_bn_grad.nn.ActForward)]
+    modules = [m for m in fused.modules() if isinstance(m, torch_bn_grad.nn.BatchNormActBase)]
     assert len(modules) == 17 and all(m.activation == "leaky_relu" and m.memory_saving for m in modules)
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     torch.testing.assert_close(fused.eval()(x), model.eval()(x))

@@ -7,7 +7,9 @@ import types
 
 import pytest
 
-from torch_bn_grad import _compat, _inductor, _lowering
+from torch_bn_grad import _compat
+from torch_bn_grad._compile import inductor as _inductor
+from torch_bn_grad._compile import lowering as _lowering
 
 
 def test_inductor_version_gate(monkeypatch):

@@ -143,7 +143,7 @@ def _export(model: torch.nn.Module) -> torch.export.ExportedProgram:
 
 
 def _our_ops(program: torch.export.ExportedProgram) -> list:
-    """The eval forwards, recorded as the overload that run_decompositions() makes core ATen (_export_decomp.py)."""
+    """The eval forwards, recorded as the overload that run_decompositions() makes core ATen (_library/frozen_composite.py)."""
     frozen = torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite
     return [n.target for n in program.graph.nodes if n.target is frozen]
 

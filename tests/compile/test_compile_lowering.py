@@ -1,4 +1,4 @@
-"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._lowering, registered by _inductor).
+"""The operators' lowering under torch.compile's inductor backend (torch_bn_grad._compile.lowering, registered by _inductor).
 
 Compiled models and operators against eager mode: values, gradients and running
 statistics, in both memory formats and in float32 and bfloat16; the forms that
@@ -17,7 +17,8 @@ from torch._inductor.utils import run_and_get_code
 import torch_bn_grad
 from support.compile_steps import fresh_dynamo, sgd_step  # noqa: F401  (fresh_dynamo: an autouse fixture)
 from support.reference import normalization_inputs
-from torch_bn_grad import _inductor, config
+from torch_bn_grad import config
+from torch_bn_grad._compile import inductor as _inductor
 
 FORWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_forward",)
 BACKWARD_OPS = ("torch.ops.torch_bn_grad.batch_norm_backward",)

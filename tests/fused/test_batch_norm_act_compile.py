@@ -1,5 +1,5 @@
 """The fused operators under torch.compile and torch.export: no graph breaks,
-an exported eval module, and the inductor lowering (torch_bn_grad/_inductor_act.py)
+an exported eval module, and the inductor lowering (torch_bn_grad/_compile/inductor_act.py)
 against the operators, bit for bit where it keeps their numerics."""
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ def test_export_eval_module():
 @pytest.mark.parametrize("layout", ["rank3", "rank4-cl"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_inductor_rewrites_match_the_operators(activation, layout, monkeypatch):
-    """The inductor lowering (torch_bn_grad/_inductor_act.py), run eagerly on real
+    """The inductor lowering (torch_bn_grad/_compile/inductor_act.py), run eagerly on real
     tensors, gives the operators' results; it is in inductor's table. A training
     backward on CPU gates diff_dst in ATen and runs batch_norm_backward on the
     result where that gate is exact (the fused kernel's numbers, bit for bit), and
     keeps the operator otherwise (silu); the whole rewrite (taken on CUDA) is
     checked here with that rule switched off."""
-    from torch_bn_grad import _inductor, _inductor_act, _lowering
+    from torch_bn_grad._compile import inductor as _inductor
+    from torch_bn_grad._compile import inductor_act as _inductor_act
+    from torch_bn_grad._compile import lowering as _lowering
 
     assert _inductor.ensure_registered()
     import torch._inductor.decomposition as decomposition
@@ -96,7 +98,7 @@ def test_inductor_cpu_training_backward_rewrite_is_the_kernels_bit_for_bit(dtype
     """On CPU, the training backward's rewrite (the gate in ATen, then batch_norm_backward)
     returns the fused operator's results bit for bit, with its dtypes and strides, where the
     gate is exact; leaky_relu on half-precision data (a rounded product) stays opaque."""
-    from torch_bn_grad import _inductor_act
+    from torch_bn_grad._compile import inductor_act as _inductor_act
 
     shape, fmt = {"rank2": ((64, 40), torch.contiguous_format), "rank3": ((4, 16, 33), torch.contiguous_format),
                   "rank4": ((8, 24, 7, 7), torch.contiguous_format),

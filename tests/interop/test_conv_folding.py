@@ -40,7 +40,7 @@ def test_fold_conv_batchnorm_on_ours_and_fused(fuse):
     folded = torch_bn_grad.fold_conv_batchnorm(ours)
     assert isinstance(folded, fx.GraphModule) and type(folded).__name__ == "Net"
     # The convolutions' batch norms are gone; the head's (after a Linear) stays, ours.
-    assert _batch_norms(folded) == ["bn_head"] and isinstance(folded.bn_head, bn_nn.FusedForward)
+    assert _batch_norms(folded) == ["bn_head"] and isinstance(folded.bn_head, bn_nn.BatchNormBase)
     x = example_input()
     torch.testing.assert_close(folded(x), reference(x), rtol=1e-4, atol=1e-5)
     if fuse:  # the block's residual add and the ReLUs are nodes after the folded convolutions

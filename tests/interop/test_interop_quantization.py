@@ -23,7 +23,8 @@ from torch.ao.quantization import (
 from torch.ao.quantization import quantize_fx
 
 import torch_bn_grad
-from torch_bn_grad import _compat, _quantization
+from torch_bn_grad import _compat
+from torch_bn_grad._interop import quantization as _quantization
 from support.interop_models import assert_same_state, example_input, torch_type, twins
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")

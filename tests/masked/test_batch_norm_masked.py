@@ -199,7 +199,7 @@ def test_fused_modules_give_zero_at_padding_whatever_the_residual(device, activa
     out = m(xr, rr, mask=mask)
     out.backward(torch.randn_like(out))
     bn = gathered_forward(x, mask, m.weight, m.bias, m.eps)[0].float()
-    expected = torch_bn_grad._activation.activate(bn + residual, activation, m.negative_slope)
+    expected = torch_bn_grad._rules.activation.activate(bn + residual, activation, m.negative_slope)
     expected = torch.where(mask.unsqueeze(1), expected, 0)
     torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
     padded = ~mask.unsqueeze(1).expand_as(x)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import torch_bn_grad
-from torch_bn_grad import _activation
-from torch_bn_grad._masked import masked_add_activate
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._forward.masked import masked_add_activate
 from support.masked_reference import LAYOUTS, close, gathered_forward, laid_out, padded_batch, parameters
 
 FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default

@@ -187,7 +187,7 @@ def test_export_matches_eager():
         model.norm.running_var.uniform_(0.5, 2)
     x, mask = _batch(0)
     program = torch.export.export(model, (x, mask))
-    frozen = torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite  # the eval forward, see _export_decomp.py
+    frozen = torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite  # the eval forward, see _library/frozen_composite.py
     assert any(n.target is frozen and n.args[-1] is not None for n in program.graph.nodes)
     for seed in range(1, 3):
         x, mask = _batch(seed)

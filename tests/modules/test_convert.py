@@ -30,7 +30,7 @@ BatchNormAct2d = timm.layers.BatchNormAct2d if timm is not None else None
 
 
 def _is_ours(m: torch.nn.Module) -> bool:
-    return isinstance(m, bn_nn.FusedForward)
+    return isinstance(m, bn_nn.BatchNormBase)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

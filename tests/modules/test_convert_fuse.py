@@ -33,7 +33,7 @@ needs_timm = pytest.mark.skipif(timm is None, reason=SKIP)
 
 
 def _fused_count(model: nn.Module) -> int:
-    return sum(isinstance(m, bn_nn.ActForward) for m in model.modules())
+    return sum(isinstance(m, bn_nn.BatchNormActBase) for m in model.modules())
 
 
 def _convert(model: nn.Module, **kwargs) -> tuple[nn.Module, list[str]]:
@@ -135,7 +135,7 @@ def test_project_resnets():
 def test_functional_block_and_spellings():
     _check_fused(nn.Sequential(FunctionalBlock(3, 4, 2), FunctionalBlock(4, 4)), torch.randn(3, 3, 8, 8), 4, True)
     fused = _check_fused(Variants(), torch.randn(3, 3, 4, 4), 6, True)
-    activations = [m.activation for m in fused.modules() if isinstance(m, bn_nn.ActForward)]
+    activations = [m.activation for m in fused.modules() if isinstance(m, bn_nn.BatchNormActBase)]
     assert sorted(activations) == ["leaky_relu", "leaky_relu", "relu", "relu", "silu", "silu"]
 
 
@@ -244,7 +244,7 @@ def test_timm_negative_slope_stays_unfused():
                                                      inplace=False),
                           timm.layers.BatchNormAct2d(4, act_layer=nn.LeakyReLU)).double()
     fused, warned = _convert(copy.deepcopy(model))
-    assert not isinstance(fused[0], bn_nn.ActForward) and isinstance(fused[1], bn_nn.ActForward)
+    assert not isinstance(fused[0], bn_nn.BatchNormActBase) and isinstance(fused[1], bn_nn.BatchNormActBase)
     assert len(warned) == 1 and "its act LeakyReLU: negative_slope must be finite and >= 0" in warned[0], warned
     _assert_same(model, fused, torch.randn(2, 4, 3, 3, dtype=torch.float64))
 
@@ -299,7 +299,7 @@ def test_timm_models_end_to_end(name, fused_count):
     fused, warned = _convert(copy.deepcopy(model))
     assert _fused_count(fused) == fused_count and type(fused) is type(model)
     norm_act = timm.layers.BatchNormAct2d
-    assert all(isinstance(m, (norm_act, bn_nn.FusedForward)) for m in fused.modules()
+    assert all(isinstance(m, (norm_act, bn_nn.BatchNormBase)) for m in fused.modules()
                if isinstance(m, nn.modules.batchnorm._BatchNorm))
     if name == "mobilenetv3_small_100":  # Hardswish activations stay unfused, named
         assert len(warned) == 1 and "its act Hardswish is not one of" in warned[0]
@@ -314,6 +314,6 @@ def test_timm_fused_model_pickles():
     fused, _ = _convert(copy.deepcopy(model))  # fused and unfused (Hardswish) derived classes of a dotted module
     again = pickle.loads(pickle.dumps(fused))
     assert type(again.blocks[0][0].bn1) is type(fused.blocks[0][0].bn1) and type(again.bn1) is type(fused.bn1)
-    assert isinstance(again.blocks[0][0].bn1, bn_nn.ActForward) and not isinstance(again.bn1, bn_nn.ActForward)
+    assert isinstance(again.blocks[0][0].bn1, bn_nn.BatchNormActBase) and not isinstance(again.bn1, bn_nn.BatchNormActBase)
     x = torch.randn(1, 3, 32, 32)
     torch.testing.assert_close(again(x), model(x))

@@ -18,7 +18,8 @@ from torch.fx.experimental.optimization import fuse as fx_fuse
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import torch_bn_grad
-from torch_bn_grad import _activation, _revert
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._conversion import revert as _revert
 from torch_bn_grad import nn as bn_nn
 from support.interop_models import Block, Net, assert_same_state, example_input, randomize_batchnorms
 from support.optional_timm import needs_timm, timm
@@ -29,7 +30,7 @@ if timm is not None:
 
 
 def _ours(model: nn.Module) -> list[str]:
-    return [name for name, m in model.named_modules() if isinstance(m, bn_nn.FusedForward)]
+    return [name for name, m in model.named_modules() if isinstance(m, bn_nn.BatchNormBase)]
 
 
 def _reverted(model: nn.Module) -> nn.Module:
@@ -137,7 +138,7 @@ def test_fused_sequential_pair_gets_its_activation_back(activation, slope, modul
 def test_residual_fused_graph_module_gets_its_add_back():
     reference = _reference()
     fused = torch_bn_grad.convert_batchnorm(copy.deepcopy(reference), fuse=True)
-    assert isinstance(fused, fx.GraphModule) and any(isinstance(m, bn_nn.ActForward) for m in fused.modules())
+    assert isinstance(fused, fx.GraphModule) and any(isinstance(m, bn_nn.BatchNormActBase) for m in fused.modules())
     reverted = _reverted(fused)
     assert not _ours(reverted)
     targets = [n.target for n in reverted.graph.nodes if n.op == "call_function"]
@@ -249,7 +250,7 @@ def test_converted_subclass_reverts_to_the_subclass():
         warnings.simplefilter("ignore")
         model = torch_bn_grad.convert_batchnorm(nn.Sequential(TorchSubclass(3)), subclasses=True)
         synced = torch_bn_grad.convert_batchnorm(nn.Sequential(TorchSubclass(3)), subclasses=True, sync=True)
-    assert isinstance(model[0], bn_nn.FusedForward) and isinstance(synced[0], bn_nn.SyncBatchNorm)
+    assert isinstance(model[0], bn_nn.BatchNormBase) and isinstance(synced[0], bn_nn.SyncBatchNorm)
     for m in (model, synced):
         _reverted(m)
         assert type(m[0]) is TorchSubclass

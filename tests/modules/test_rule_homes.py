@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from torch_bn_grad import _activation
+from torch_bn_grad._rules import activation as _activation
 from torch_bn_grad import nn as bn_nn
 
 FUSED_MODULES = [(bn_nn.BatchNormAct1d, (4, 3)), (bn_nn.BatchNormAct2d, (2, 3, 2, 2)),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_bn_grad  # noqa: F401  (registers the operators)
-from torch_bn_grad import _running_stats
+from torch_bn_grad._rules import running_stats as _running_stats
 from support.reference import DEVICES
 
 OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default

@@ -10,8 +10,9 @@ ends in a source or document suffix (``cpu/kernels/partition.h``), including
 ``../`` links, globs (``tests/masked/test_*.py``) and the pair form
 (``cpu/environment.h/.cpp``); or a bare file name with such a suffix
 (``ops.cpp``). A path resolves against the repository root, the naming file's
-folder or ``csrc/`` (the folder C++ includes start from); a bare name resolves
-when some tracked file has it.
+folder, ``csrc/`` (the folder C++ includes start from) or ``torch_bn_grad/``
+(the package's modules name each other from there: ``_forward/plain.py``); a
+bare name resolves when some tracked file has it.
 What lies outside the repository is listed in ``OUTSIDE`` with the reason.
 """
 
@@ -114,7 +115,7 @@ def _resolves(path: str, folder: str) -> bool:
         return True
     if "/" not in path.rstrip("/"):
         return path in NAMES or _exists(posixpath.join(folder, path)) or _exists(path)
-    return any(_exists(posixpath.join(base, path)) for base in ("", folder, "csrc"))
+    return any(_exists(posixpath.join(base, path)) for base in ("", folder, "csrc", "torch_bn_grad"))
 
 
 def missing_paths() -> list[str]:

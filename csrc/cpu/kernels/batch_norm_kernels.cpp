@@ -126,7 +126,7 @@ void backward(const at::Tensor& src, const at::Tensor& diff_dst, at::Tensor& dif
 }
 
 // running <- lerp(running, batch * factor, weight) as the tensor arithmetic
-// rounds it (_running_stats.py), batch in R's opmath type (float32 for
+// rounds it (_rules/running_stats.py), batch in R's opmath type (float32 for
 // half-precision buffers): the product rounded on its own as at::mul rounds
 // it, then to R, then at::lerp in the opmath type, rounded to R. The
 // product is a fused multiply-add with -0.0, not a plain product: GCC (with

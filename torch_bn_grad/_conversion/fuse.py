@@ -49,8 +49,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torch_bn_grad import _activation, _convert
-from torch_bn_grad._convert import Targets
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._conversion import convert as _convert
+from torch_bn_grad._conversion.convert import Targets
 
 _ACT_MODULES = {module: name for name, module in _activation.TORCH_MODULES.items()}
 _ACT_FUNCTIONS = {F.relu: "relu", F.relu_: "relu", torch.relu: "relu", torch.relu_: "relu",
@@ -96,7 +97,7 @@ def _fuse_timm(module: nn.Module, targets: Targets, name: str, sync: bool, memor
         if activation is None:
             unfused.append((name, f"timm {kind.__name__}: {why}; converted with its drop and act kept"))
             return module
-        new = _convert.adopt(module, _convert.derived(kind, targets.act_forward, act=False), targets, False, None)
+        new = _convert.adopt(module, _convert.derived(kind, targets.act_forward, False, targets.home), targets, False, None)
         new._set_activation(activation[0], activation[1], memory_saving and _activation.invertible(*activation))
         return new
     for child_name, child in module.named_children():

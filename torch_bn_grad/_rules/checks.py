@@ -1,7 +1,7 @@
 """Argument checks made in Python: what cannot reach the C++ checks
 (``csrc/args/batch_norm_args.cpp``), arguments of the wrong Python type, the
 functional and module paths' checks of the running statistics and ``eps``
-(written so that TorchScript compiles them, for ``_script.py``), and the fake
+(written so that TorchScript compiles them, for ``_forward/scripted.py``), and the fake
 implementations' device check. The activation arguments' check is
 ``_activation.check``."""
 

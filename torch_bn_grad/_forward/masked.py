@@ -17,13 +17,15 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation, _compat, _onnx
-from torch_bn_grad._checks import check_mask, check_statistics
-from torch_bn_grad._masked_autograd import FORWARD, FORWARD_ACT, valid_positions
-from torch_bn_grad._running_stats import update_running_stats
+from torch_bn_grad import _compat
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._interop import onnx as _onnx
+from torch_bn_grad._rules.checks import check_mask, check_statistics
+from torch_bn_grad._forward.masked_operators import FORWARD, FORWARD_ACT, valid_positions
+from torch_bn_grad._rules.running_stats import update_running_stats
 
 
-def masked_batch_norm(
+def batch_norm(
     input: Tensor,
     mask: Tensor,
     running_mean: Optional[Tensor],
@@ -44,7 +46,7 @@ def masked_batch_norm(
     if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
         check_statistics(op, training, running_mean, running_var, eps)
         return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not training and torch.compiler.is_exporting():  # see _export_decomp.py
+    if not training and torch.compiler.is_exporting():  # see _library/frozen_composite.py
         check_statistics(op, training, running_mean, running_var, eps)
         return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
             input, weight, bias, running_mean, running_var, float(eps), mask)
@@ -53,7 +55,7 @@ def masked_batch_norm(
                       num_batches_tracked)
 
 
-def masked_batch_norm_act(
+def batch_norm_act(
     input: Tensor,
     mask: Tensor,
     running_mean: Optional[Tensor],
@@ -71,16 +73,16 @@ def masked_batch_norm_act(
     skip_nonfinite_stats: bool = False,
     num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
-    """``activation(masked_batch_norm(...) + residual)``, padded outputs 0 whatever
+    """``activation(batch_norm(...) + residual)``, padded outputs 0 whatever
     ``residual`` holds there: one fused operator on the CPU (a residual of
     ``input``'s shape, dtype and device, or none), else (CUDA, ONNX export)
     composed (:func:`masked_add_activate`)."""
     if not fused_masked_act(input, residual) or _compat.in_onnx_export():
-        y = masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op,
+        y = batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op,
                               skip_nonfinite_stats=skip_nonfinite_stats, num_batches_tracked=num_batches_tracked)
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     check_mask(op, input, mask)
-    if not training and torch.compiler.is_exporting():  # see _export_decomp.py
+    if not training and torch.compiler.is_exporting():  # see _library/frozen_composite.py
         check_statistics(op, training, running_mean, running_var, eps)
         return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite(
             input, weight, bias, running_mean, running_var, residual, float(eps), activation, float(negative_slope),

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels
-from torch_bn_grad._masked_autograd import BACKWARD, FORWARD, per_channel, valid_positions
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._forward.masked_operators import BACKWARD, FORWARD, per_channel, valid_positions
 
 
 def masked_local_stats(input: Tensor, mask: Tensor, eps: float) -> Tensor:

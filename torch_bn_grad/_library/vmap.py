@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from torch_bn_grad._channels import accumulation_dtype
+from torch_bn_grad._rules.channels import accumulation_dtype
 
 _MAX_RANK = 8  # the operators' rank limit
 # Above this many elements per sample, one call per sample beats the fused

@@ -23,8 +23,8 @@ output would not keep, an unusual dtype), the operator stays as it is.
 ``torch_bn_grad.config.compile_lowering = False`` (or
 ``TORCH_BN_GRAD_COMPILE_LOWERING=0``) keeps the operators opaque everywhere.
 
-The rewrites are registered by ``_inductor.py``; the fused operators' are in
-``_inductor_act.py``.
+The rewrites are registered by ``_compile/inductor.py``; the fused operators' are in
+``_compile/inductor_act.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels, _compat, config
+from torch_bn_grad import _compat, config
+from torch_bn_grad._rules import channels as _channels
 from torch_bn_grad._compat import OpOverload
 
 _warned = False

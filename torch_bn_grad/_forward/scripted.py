@@ -23,10 +23,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad._checks import check_running_stats, check_training, check_training_eps
-from torch_bn_grad._running_stats import update_with_count_tensor
+from torch_bn_grad._rules.checks import check_running_stats, check_training, check_training_eps
+from torch_bn_grad._rules.running_stats import count_batch, update_with_count_tensor
 
-__all__ = ["module_forward", "count_batch"]
+__all__ = ["module_forward"]
 
 
 def module_forward(
@@ -77,20 +77,3 @@ def module_forward(
         update_with_count_tensor(running_mean, running_var, mean, var, count, factor, skip_nonfinite_stats,
                                  num_batches_tracked)
     return dst
-
-
-def count_batch(
-    num_batches_tracked: Optional[Tensor], tracking: bool, momentum: Optional[float]
-) -> Union[float, Tensor]:
-    """Counts a training batch in ``num_batches_tracked`` (when ``tracking``) and returns
-    the running statistics' update factor: ``momentum``, or for ``momentum=None`` the
-    cumulative average's ``1 / n``, a tensor (so that it traces without a graph break)
-    in float64 (``1 /`` an int64 tensor would be float32, off by 1e-8 relative). The
-    eager modules' ``_statistics`` calls it too."""
-    factor: Union[float, Tensor] = 0.0 if momentum is None else momentum
-    if tracking and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-        if momentum is None:
-            factor = 1.0 / num_batches_tracked.double()
-    return factor
-

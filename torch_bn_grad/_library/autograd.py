@@ -8,8 +8,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels
-from torch_bn_grad._autograd_kernel import register_autograd
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._library.autograd_kernel import register_autograd
 
 
 class _PerChannel:

@@ -105,7 +105,7 @@ def _leaf_rule(is_leaf_module: Callable) -> Callable:
     def wrapped(self: Any, m: nn.Module, module_qualified_name: str) -> bool:
         # The rule torch's tracers apply to torch.nn classes: exact types only,
         # as a user's subclass of a torch BatchNorm is not a leaf either.
-        if type(m) in TORCH_CLASS or type(m) is _ours.SyncBatchNorm or isinstance(m, _ours.ActForward):
+        if type(m) in TORCH_CLASS or type(m) is _ours.SyncBatchNorm or isinstance(m, _ours.BatchNormActBase):
             return True
         return is_leaf_module(self, m, module_qualified_name)
 

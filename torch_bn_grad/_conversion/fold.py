@@ -25,7 +25,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from torch_bn_grad import _revert
+from torch_bn_grad._conversion import revert as _revert
 from torch_bn_grad import nn as ours
 
 __all__ = ["fold_conv_batchnorm"]
@@ -55,7 +55,7 @@ def _site(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[tuple[fx.Nod
     """(the convolution's node, the residual) when the batch norm call ``node`` folds into the convolution before it."""
     bn = modules[node.target]  # type: ignore[index]
     residual = None
-    if isinstance(bn, ours.ActForward):
+    if isinstance(bn, ours.BatchNormActBase):
         call = _revert.fused_call(node)
         if call is None:
             return None
@@ -101,7 +101,7 @@ def fold_conv_batchnorm(model: nn.Module) -> fx.GraphModule:
             y: fx.Node = conv_node
             if residual is not None:
                 y = graph.call_function(operator.add, (y, residual))
-            if isinstance(bn, ours.ActForward):
+            if isinstance(bn, ours.BatchNormActBase):
                 y = _revert.activation_node(graph, y, bn.activation, bn.negative_slope)
         bn_node.replace_all_uses_with(y)
         graph.erase_node(bn_node)

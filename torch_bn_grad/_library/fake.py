@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels
-from torch_bn_grad._checks import check_mask, check_same_device
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._rules.checks import check_mask, check_same_device
 
 
 def _given(t: Optional[Tensor]) -> str:

@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels
+from torch_bn_grad._rules import channels as _channels
 from torch_bn_grad._compat import OpOverload
-from torch_bn_grad._autograd_kernel import register_autograd
+from torch_bn_grad._library.autograd_kernel import register_autograd
 
 
 def _dims(src: Tensor, data_format: str) -> tuple[list[int], list[int], int]:

@@ -43,10 +43,11 @@ import torch
 from torch import Tensor, fx
 from torch import nn as torch_nn
 
-from torch_bn_grad import _activation, _convert
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._conversion import convert as _convert
 from torch_bn_grad import nn as ours
 
-__all__ = ["BatchNormActSequential", "TORCH_CLASS", "activation_node", "fused_call",
+__all__ = ["TORCH_CLASS", "activation_node", "fused_call",
            "revert_batchnorm"]
 
 
@@ -76,17 +77,6 @@ def activation_node(graph: fx.Graph, x: fx.Node, activation: str, negative_slope
     return graph.call_function(function, args)
 
 
-class BatchNormActSequential(torch_nn.Sequential):
-    """torch's batch norm (``[0]``) then its activation module (``[1]``), in place of a fused
-    module: ``forward(input, residual=None)`` is ``act(bn(input) + residual)``."""
-
-    def forward(self, input: Tensor, residual: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
-        y = self[0](input)
-        if residual is not None:
-            y = y + residual
-        return self[1](y)
-
-
 def _act_attributes() -> frozenset[str]:
     """The attributes a fused module has beyond its batch norm's (its activation's)."""
     fused, plain = ours.BatchNormAct1d(1, device="meta"), ours.BatchNorm1d(1, device="meta")
@@ -101,7 +91,7 @@ def original_class(kind: type) -> Optional[type]:
     (a user's subclass of ours is not: its own methods would be lost)."""
     if kind in TORCH_CLASS:
         return TORCH_CLASS[kind]
-    if kind.__module__ != ours.__name__ or not issubclass(kind, ours.FusedForward):
+    if kind.__module__ != ours.__name__ or not issubclass(kind, ours.BatchNormBase):
         return None
     # A class _convert.derived made: this library's bases, then the original class.
     return next(b for b in reversed(kind.__bases__) if not b.__module__.startswith("torch_bn_grad"))
@@ -109,7 +99,7 @@ def original_class(kind: type) -> Optional[type]:
 
 def _splits(module: torch_nn.Module) -> bool:
     """Whether ``module`` reverts to a batch norm and an activation (a fused module of this library's classes)."""
-    return isinstance(module, ours.ActForward) and type(module) in TORCH_CLASS
+    return isinstance(module, ours.BatchNormActBase) and type(module) in TORCH_CLASS
 
 
 def _has_call_hooks(module: torch_nn.Module) -> bool:
@@ -154,14 +144,14 @@ class _Reversion:
         if id(module) not in self.done:
             to_sync = isinstance(module, ours.SyncBatchNorm)
             new = _convert.adopt(module, original_class(type(module)), ours.TARGETS, to_sync, None)  # type: ignore
-            if isinstance(module, ours.ActForward):
+            if isinstance(module, ours.BatchNormActBase):
                 for key in _ACT_ATTRIBUTES:
                     new.__dict__.pop(key, None)
             self.done[id(module)] = new
         return self.done[id(module)]
 
     def _replacement(self, module: torch_nn.Module, name: str) -> Optional[torch_nn.Module]:
-        if not isinstance(module, ours.FusedForward) or id(module) in self.kept:
+        if not isinstance(module, ours.BatchNormBase) or id(module) in self.kept:
             return None
         if original_class(type(module)) is None:
             self.skipped.append(f"{name} ({type(module).__module__}.{type(module).__qualname__}, "
@@ -171,7 +161,7 @@ class _Reversion:
         if not _splits(module):
             return bn
         act = _activation.torch_module(module.activation, module.negative_slope).train(module.training)
-        pair = BatchNormActSequential(bn, act).train(module.training)
+        pair = ours.BatchNormActSequential(bn, act).train(module.training)
         for key in _CALL_HOOKS:  # they saw the activation's output: the pair's
             if key in bn.__dict__:
                 value = bn.__dict__[key]

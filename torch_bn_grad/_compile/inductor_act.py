@@ -1,5 +1,5 @@
 """Inductor rewrites of the fused ``batch_norm_act_forward``/``_backward``
-operators (``_lowering.py`` has the plain operators'; ``_inductor.py`` registers both): batch norm as there,
+operators (``_compile/lowering.py`` has the plain operators'; ``_compile/inductor.py`` registers both): batch norm as there,
 then the residual and the activation as ATen operations, all in the
 accumulation dtype and rounded once, so inductor fuses them with their
 neighbours. The memory-saving backward (``from_output``) and anything the
@@ -11,7 +11,10 @@ from typing import Any
 
 import torch
 
-from torch_bn_grad import _activation, _channels, _lowering, config
+from torch_bn_grad import config
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._compile import lowering as _lowering
 
 
 def _act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,

@@ -1,6 +1,6 @@
-"""The masked operators ``batch_norm_masked_forward`` and ``batch_norm_masked_backward``
-as Python sees them (their fake implementations are in ``_fake.py``), and the
-backward's autograd formula.
+"""The autograd formula of the masked operators ``batch_norm_masked_forward`` and
+``batch_norm_masked_backward`` (the operators' handles: ``_forward/masked_operators.py``;
+their fake implementations: ``_library/fake.py``).
 
 The forward's gradient is the backward operator, recorded by a C++ Autograd
 kernel (``csrc/autograd/masked_autograd.cpp``; padded positions get 0 and are
@@ -15,26 +15,9 @@ gradients of any order flow. Forward-mode AD of both forwards is C++'s too
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
-from torch_bn_grad import _channels
-from torch_bn_grad._autograd import backward_backward
-from torch_bn_grad._autograd_kernel import register_autograd
-
-FORWARD = torch.ops.torch_bn_grad.batch_norm_masked_forward.default
-BACKWARD = torch.ops.torch_bn_grad.batch_norm_masked_backward.default
-FORWARD_ACT = torch.ops.torch_bn_grad.batch_norm_masked_act_forward.default
-
-
-def valid_positions(mask: Tensor) -> Tensor:
-    """The mask (N, *X) broadcast against its input (N, C, *X)."""
-    return mask.unsqueeze(1)
-
-
-def per_channel(stats: Tensor, src: Tensor) -> Tensor:
-    """A (C,) tensor viewed to broadcast against ``src`` (N, C, *X)."""
-    return _channels.broadcastable(stats, src, "NCX")
+from torch_bn_grad._library.autograd import backward_backward
+from torch_bn_grad._library.autograd_kernel import register_autograd
+from torch_bn_grad._forward.masked_operators import BACKWARD, valid_positions
 
 
 # ---------------------------------------------------------------- the backward's gradient

@@ -17,7 +17,7 @@ kernel:
   ``_native_batch_norm_legit_no_training``) and torch operators for the mask,
   residual and activation: a program that runs without this library;
 * traced for inductor (``torch.compile`` of a program holding it,
-  AOTInductor), its body takes the entry that ``_inductor.py`` puts in
+  AOTInductor), its body takes the entry that ``_compile/inductor.py`` puts in
   inductor's decomposition table (``inductor_rewrites``): the plain operator
   with frozen statistics, whose lowering ``config.compile_lowering``
   governs, as in a model compiled directly.
@@ -34,9 +34,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _activation, _channels, _compat, _onnx, functional
-from torch_bn_grad._eager import is_eager
-from torch_bn_grad._masked import fused_masked_act, masked_add_activate
+from torch_bn_grad import _compat, functional
+from torch_bn_grad._rules import activation as _activation
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._interop import onnx as _onnx
+from torch_bn_grad._rules.eager import is_eager
+from torch_bn_grad._forward.masked import fused_masked_act, masked_add_activate
 
 _LIBRARY = torch.library.Library("torch_bn_grad", "FRAGMENT")
 _LIBRARY.define(
@@ -112,7 +115,7 @@ def _inductor_act_forward(src, gamma, beta, mean, variance, residual, epsilon, a
 
 
 def _masked_act(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, mask):
-    """The masked fused forward as ``_masked.masked_batch_norm_act`` runs it: one
+    """The masked fused forward as ``_forward/masked.py``'s ``batch_norm_act`` runs it: one
     operator where that operator takes the residual, else composed."""
     if fused_masked_act(src, residual):
         return torch.ops.torch_bn_grad.batch_norm_masked_act_forward.default(

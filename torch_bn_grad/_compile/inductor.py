@@ -1,4 +1,4 @@
-"""Registration of the operators' lowering (``_lowering.py``, ``_inductor_act.py``)
+"""Registration of the operators' lowering (``_compile/lowering.py``, ``_compile/inductor_act.py``)
 for torch.compile's inductor backend.
 
 The rewrites go into inductor's decomposition table, a private API: it and
@@ -21,7 +21,10 @@ import threading
 from typing import Any
 
 
-from torch_bn_grad import _compat, _export_decomp, _inductor_act, _lowering, config
+from torch_bn_grad import _compat, config
+from torch_bn_grad._library import frozen_composite as _frozen_composite
+from torch_bn_grad._compile import inductor_act as _inductor_act
+from torch_bn_grad._compile import lowering as _lowering
 from torch_bn_grad._compat import INDUCTOR_DECOMPOSITION_MODULE as _DECOMPOSITION_MODULE
 
 # An entry of inductor's config that enters the compile caches' keys (FX graph
@@ -47,7 +50,7 @@ def _register(decomposition: Any) -> bool:
         except _compat.PrivateAPIMissing as missing:
             _lowering.warn_once(str(missing))
             return False
-        ops = {**_lowering.rewrites(), **_inductor_act.rewrites(), **_export_decomp.inductor_rewrites()}
+        ops = {**_lowering.rewrites(), **_inductor_act.rewrites(), **_frozen_composite.inductor_rewrites()}
         table.update(ops)
         # select_decomp_table() returns a cached copy of the table; fill it too if it is made already.
         if fast.cache_info().currsize:
@@ -72,7 +75,7 @@ def _source_hash() -> str:
     """A hash of the rewrites' files, so that compilations cached by another version are not reused."""
     digest = hashlib.sha256()
     try:
-        modules = (__file__, _compat.__file__, _lowering.__file__, _inductor_act.__file__, _export_decomp.__file__)
+        modules = (__file__, _compat.__file__, _lowering.__file__, _inductor_act.__file__, _frozen_composite.__file__)
         for module in modules:
             with open(module, "rb") as f:
                 digest.update(f.read())

@@ -48,9 +48,10 @@ class Targets:
 
     plain: Mapping[type, type]  # torch's BatchNorm1d/2d/3d -> this library's
     sync: type  # SyncBatchNorm
-    forward: type  # the forward every converted module has (FusedForward)
-    act_forward: type  # the fused modules' forward (ActForward)
+    forward: type  # the forward every converted module has (BatchNormBase)
+    act_forward: type  # the fused modules' forward (BatchNormActBase)
     fused: Mapping[type, type]  # BatchNorm1d/2d/3d, SyncBatchNorm -> their fused BatchNormAct
+    home: str  # the module whose ``__getattr__`` rebuilds derived classes by name (pickle)
 
 
 class Skipped:
@@ -125,12 +126,12 @@ class Conversion:
         if kind in targets.plain or kind is _TorchSyncBatchNorm:
             target = targets.sync if to_sync else targets.plain[kind]
         elif is_timm_norm_act(kind):
-            target = derived(kind, base, act=True)
+            target = derived(kind, base, True, targets.home)
         elif not self.subclasses:
             skipped.subclasses.append(described)
             return None
         elif kind.forward in (_BatchNorm.forward, _TorchSyncBatchNorm.forward):
-            target = derived(kind, base, act=False)
+            target = derived(kind, base, False, targets.home)
         else:
             skipped.own_forward.append(described)
             return None
@@ -158,13 +159,13 @@ def is_timm_norm_act(kind: type) -> bool:
 _DERIVED: dict[tuple[type, type, bool], type] = {}
 
 
-def derived(kind: type, base: type, act: bool) -> type:
+def derived(kind: type, base: type, act: bool, home: str) -> type:
     """A class derived from ``kind`` with ``base``'s forward in front (then timm's drop and act if ``act``).
-    It lives in ``base``'s module, whose ``__getattr__`` rebuilds it by name (:func:`rebuild`) for pickle."""
+    It lives in the module ``home``, whose ``__getattr__`` rebuilds it by name (:func:`rebuild`) for pickle."""
     key = (kind, base, act)
     if key not in _DERIVED:
         bases = ((_ActAfter,) if act else ()) + (base, kind)
-        cls = type(kind.__name__, bases, {"__module__": base.__module__})
+        cls = type(kind.__name__, bases, {"__module__": home})
         cls.__qualname__ = _pickle_name(kind, base, act)
         _DERIVED[key] = cls
     return _DERIVED[key]
@@ -176,6 +177,10 @@ def _pickle_name(kind: type, base: type, act: bool) -> str:
                      base.__name__, str(int(act))))
 
 
+# Other names of the bases that pickles of converted models hold (0.1.0 development builds).
+_EARLIER_BASE_NAMES = {"FusedForward": "BatchNormBase", "ActForward": "BatchNormActBase"}
+
+
 def rebuild(name: str, targets: Targets, module_name: str) -> type:
     """The derived class named ``name`` (see :func:`derived`), for a module's ``__getattr__``."""
     parts = name.split("|")
@@ -185,7 +190,8 @@ def rebuild(name: str, targets: Targets, module_name: str) -> type:
     for attr in parts[2].split("/"):
         kind = getattr(kind, attr)
     bases = {cls.__name__: cls for cls in (targets.sync, targets.forward, targets.act_forward)}
-    return derived(kind, bases[parts[3]], parts[4] == "1")
+    bases.update({old: bases[new] for old, new in _EARLIER_BASE_NAMES.items()})
+    return derived(kind, bases[parts[3]], parts[4] == "1", module_name)
 
 
 def _template(module: _BatchNorm, targets: Targets, to_sync: bool,

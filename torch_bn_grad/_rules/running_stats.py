@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from torch_bn_grad import _compat, config
-from torch_bn_grad._eager import is_eager
+from torch_bn_grad._rules.eager import is_eager
 
 
 _UPDATE_OP = torch.ops.torch_bn_grad.batch_norm_update_running_stats.default
@@ -23,6 +23,22 @@ def skip_nonfinite_setting(owner: str, value: Optional[bool]) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}: skip_nonfinite_stats must be a bool or None, got {value!r}")
     return value
+
+
+def count_batch(
+    num_batches_tracked: Optional[Tensor], tracking: bool, momentum: Optional[float]
+) -> Union[float, Tensor]:
+    """Counts a training batch in ``num_batches_tracked`` (when ``tracking``) and returns
+    the running statistics' update factor: ``momentum``, or for ``momentum=None`` the
+    cumulative average's ``1 / n``, a tensor (so that it traces without a graph break)
+    in float64 (``1 /`` an int64 tensor would be float32, off by 1e-8 relative). TorchScript
+    compiles it (the scripted forward's), as the eager modules call it."""
+    factor: Union[float, Tensor] = 0.0 if momentum is None else momentum
+    if tracking and num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+        if momentum is None:
+            factor = 1.0 / num_batches_tracked.double()
+    return factor
 
 
 def _scalar_count(count: Union[int, Tensor]) -> bool:
@@ -125,7 +141,7 @@ def update_with_count_tensor(
     """The update for a ``count`` tensor (0-dim, or one per channel) in tensor arithmetic,
     the count never read on the host: no change where it is 0, the variance unbiased
     with it (count 1: the variance itself). TorchScript compiles it: the scripted
-    modules' update (``_script.py``).
+    modules' update (``_forward/scripted.py``).
 
     ``skip_nonfinite``: a batch whose mean or unbiased variance, in the buffers' dtype,
     is not finite in some counted channel changes neither buffer, decided on the device

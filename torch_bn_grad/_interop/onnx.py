@@ -30,9 +30,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from torch_bn_grad import _channels
-from torch_bn_grad._masked_autograd import valid_positions
-from torch_bn_grad._running_stats import update_running_stats
+from torch_bn_grad._rules import channels as _channels
+from torch_bn_grad._forward.masked_operators import valid_positions
+from torch_bn_grad._rules.running_stats import update_running_stats
 
 __all__ = ["masked_batch_norm", "register"]
 
@@ -52,7 +52,7 @@ def masked_batch_norm(
     momentum: Union[float, Tensor],
     eps: float,
 ) -> Tensor:
-    """``_masked.masked_batch_norm`` (arguments checked) in torch operators, for the exporters."""
+    """``_forward/masked.py``'s ``batch_norm`` (arguments checked) in torch operators, for the exporters."""
     valid = valid_positions(mask)
     if not training:
         # Padded positions may hold anything (NaN included): Where picks 0 there.
