@@ -43,6 +43,23 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"torch_bn_grad.config.{name} must be a bool, got {value!r}")
 
 
+def _switch(name: str) -> property:
+    """A bool setting kept on the class as ``_<name>``, type-checked when set, its
+    observers called after every change."""
+    stored = "_" + name
+
+    def read(self: types.ModuleType) -> bool:
+        return getattr(type(self), stored)
+
+    def write(self: types.ModuleType, value: bool) -> None:
+        _check_bool(name, value)
+        setattr(type(self), stored, value)
+        for observer in _observers:
+            observer()
+
+    return property(read, write)
+
+
 class _Config(types.ModuleType):
     """The module's class: setting ``compile_lowering`` also updates the compile cache key;
     the settings are type-checked."""
@@ -50,27 +67,8 @@ class _Config(types.ModuleType):
     _compile_lowering: bool = _env_flag("TORCH_BN_GRAD_COMPILE_LOWERING", True)
     _skip_nonfinite_stats: bool = _env_flag("TORCH_BN_GRAD_SKIP_NONFINITE_STATS", False)
 
-    @property
-    def compile_lowering(self) -> bool:
-        return type(self)._compile_lowering
-
-    @compile_lowering.setter
-    def compile_lowering(self, value: bool) -> None:
-        _check_bool("compile_lowering", value)
-        type(self)._compile_lowering = value
-        for observer in _observers:
-            observer()
-
-    @property
-    def skip_nonfinite_stats(self) -> bool:
-        return type(self)._skip_nonfinite_stats
-
-    @skip_nonfinite_stats.setter
-    def skip_nonfinite_stats(self, value: bool) -> None:
-        _check_bool("skip_nonfinite_stats", value)
-        type(self)._skip_nonfinite_stats = value
-        for observer in _observers:
-            observer()
+    compile_lowering = _switch("compile_lowering")
+    skip_nonfinite_stats = _switch("skip_nonfinite_stats")
 
     def on_change(self, observer: Callable[[], None]) -> None:
         """Call ``observer()`` after every change of a setting."""

@@ -59,12 +59,11 @@ def batch_norm(
     """
     try:
         mask = resolve_mask("batch_norm", input, mask, lengths)
+        norm = (running_mean, running_var, weight, bias, training, momentum, eps)
         if mask is not None:
-            return masked.batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps,
-                                     skip_nonfinite_stats=skip_nonfinite_stats,
+            return masked.batch_norm(input, mask, norm, skip_nonfinite_stats=skip_nonfinite_stats,
                                      num_batches_tracked=num_batches_tracked)
-        return plain.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
-                                skip_nonfinite_stats, num_batches_tracked)
+        return plain.batch_norm(input, norm, skip_nonfinite_stats, num_batches_tracked)
     except (ValueError, TypeError) as error:  # torch raises RuntimeError: see errors.py
         raise errors.torch_compatible(error) from None
 
@@ -108,11 +107,12 @@ def batch_norm_act(
     try:
         slope = _activation.check("batch_norm_act", activation, negative_slope, memory_saving)
         mask = resolve_mask("batch_norm_act", input, mask, lengths)
+        norm = (running_mean, running_var, weight, bias, training, momentum, eps)
         if mask is not None:
-            return masked.batch_norm_act(input, mask, running_mean, running_var, weight, bias, training, momentum,
-                                         eps, residual, activation, slope, skip_nonfinite_stats=skip_nonfinite_stats,
+            return masked.batch_norm_act(input, mask, norm, residual, activation, slope,
+                                         skip_nonfinite_stats=skip_nonfinite_stats,
                                          num_batches_tracked=num_batches_tracked)
-        return plain.batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum, eps, residual,
-                                    activation, slope, memory_saving, skip_nonfinite_stats, num_batches_tracked)
+        return plain.batch_norm_act(input, norm, residual, activation, slope, memory_saving, skip_nonfinite_stats,
+                                    num_batches_tracked)
     except (ValueError, TypeError) as error:  # torch raises RuntimeError: see errors.py
         raise errors.torch_compatible(error) from None

@@ -14,7 +14,8 @@ from torch_bn_grad import _compat, errors
 from torch_bn_grad._conversion import convert as _convert
 from torch_bn_grad._conversion import fuse as _fuse
 from torch_bn_grad._forward.act_module import BatchNormActBase
-from torch_bn_grad._forward.module import BatchNormBase, Statistics
+from torch_bn_grad._forward.module import BatchNormBase
+from torch_bn_grad._forward.normalization import Normalization
 from torch_bn_grad._rules.running_stats import skip_nonfinite_setting
 from torch_bn_grad.distributed import sync_batch_norm
 
@@ -77,26 +78,26 @@ class SyncBatchNorm(BatchNormBase, _BatchNorm):
         _TorchSyncBatchNorm._check_input_dim(self, input)
         _TorchSyncBatchNorm._check_non_zero_input_channels(self, input)
 
-    def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
+    def _normalize(self, input: Tensor, norm: Normalization) -> Tensor:
         group = self._sync_group() if self.training else None
         if group is None:
-            return super()._normalize(input, stats)
-        running_mean, running_var, _, momentum = stats
+            return super()._normalize(input, norm)
+        running_mean, running_var, weight, bias, _, momentum, eps = norm
         skip, counter = self._skipping()
         try:
-            return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
+            return sync_batch_norm(input, running_mean, running_var, weight, bias, momentum, eps, group,
                                    skip_nonfinite_stats=skip, num_batches_tracked=counter)
         except (ValueError, TypeError) as error:  # as functional.batch_norm's: see errors.py
             raise errors.torch_compatible(error) from None
 
-    def _normalize_masked(self, input: Tensor, mask: Tensor, stats: Statistics) -> Tensor:
+    def _normalize_masked(self, input: Tensor, mask: Tensor, norm: Normalization) -> Tensor:
         group = self._sync_group() if self.training else None
         if group is None:
-            return super()._normalize_masked(input, mask, stats)
-        running_mean, running_var, _, momentum = stats
+            return super()._normalize_masked(input, mask, norm)
+        running_mean, running_var, weight, bias, _, momentum, eps = norm
         skip, counter = self._skipping()
         try:
-            return sync_batch_norm(input, running_mean, running_var, *self._affine(), momentum, self.eps, group,
+            return sync_batch_norm(input, running_mean, running_var, weight, bias, momentum, eps, group,
                                    mask=mask, skip_nonfinite_stats=skip, num_batches_tracked=counter)
         except (ValueError, TypeError) as error:
             raise errors.torch_compatible(error) from None

@@ -14,7 +14,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch_bn_grad import _compat, errors
 from torch_bn_grad._forward import masked, plain
 from torch_bn_grad._forward.lengths import resolve_mask
-from torch_bn_grad._forward.module import BatchNormBase, Statistics
+from torch_bn_grad._forward.module import BatchNormBase
+from torch_bn_grad._forward.normalization import Normalization
 from torch_bn_grad._rules import activation as _activation
 
 __all__ = ["BatchNormActBase"]
@@ -62,10 +63,10 @@ class BatchNormActBase(BatchNormBase):
             return self._add_activate(y, residual)
         if mask is not None or lengths is not None:
             return self._normalize_masked_act(input, residual, self._resolved_mask(input, mask, lengths),
-                                              self._statistics())
+                                              self._normalization())
         if self._runs_torch_forward():  # torch's batch norm for graph tools, then the add and activation
             return self._add_activate(_BatchNorm.forward(self, input), residual)
-        return self._normalize_act(input, residual, self._statistics())
+        return self._normalize_act(input, residual, self._normalization())
 
     def _add_activate(self, y: Tensor, residual: Optional[Tensor]) -> Tensor:
         """The add and activation as torch operations, after a normalization that did not fuse them."""
@@ -79,29 +80,24 @@ class BatchNormActBase(BatchNormBase):
         computed as torch would, unfused."""
         return not _activation.fuses_residual(input, residual)
 
-    def _normalize_act(self, input: Tensor, residual: Optional[Tensor], stats: Statistics) -> Tensor:
+    def _normalize_act(self, input: Tensor, residual: Optional[Tensor], norm: Normalization) -> Tensor:
         if self._composes(input, residual):
-            return self._add_activate(self._normalize(input, stats), residual)
-        running_mean, running_var, use_batch_stats, momentum = stats
+            return self._add_activate(self._normalize(input, norm), residual)
         try:
-            return plain.batch_norm_act(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
-                                        self.eps, residual, self.activation, self.negative_slope,
+            return plain.batch_norm_act(input, norm, residual, self.activation, self.negative_slope,
                                         self.memory_saving, *self._skipping())
         except (ValueError, TypeError) as error:  # as functional.batch_norm_act's: see errors.py
             raise errors.torch_compatible(error) from None
 
     def _normalize_masked_act(self, input: Tensor, residual: Optional[Tensor], mask: Tensor,
-                              stats: Statistics) -> Tensor:
+                              norm: Normalization) -> Tensor:
         if self._composes(input, residual):
-            y = self._normalize_masked(input, mask, stats)
+            y = self._normalize_masked(input, mask, norm)
             return masked.masked_add_activate(y, mask, residual, self.activation, self.negative_slope)
-        running_mean, running_var, use_batch_stats, momentum = stats
         skip, counter = self._skipping()
         try:
-            return masked.batch_norm_act(input, mask, running_mean, running_var, *self._affine(), use_batch_stats,
-                                         momentum, self.eps, residual, self.activation, self.negative_slope,
-                                         op=type(self).__name__, skip_nonfinite_stats=skip,
-                                         num_batches_tracked=counter)
+            return masked.batch_norm_act(input, mask, norm, residual, self.activation, self.negative_slope,
+                                         type(self).__name__, skip_nonfinite_stats=skip, num_batches_tracked=counter)
         except (ValueError, TypeError) as error:
             raise errors.torch_compatible(error) from None
 

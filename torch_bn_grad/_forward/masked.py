@@ -12,7 +12,7 @@ the ONNX exporters the same batch norm is made of torch operators
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from torch_bn_grad import _compat
 from torch_bn_grad._rules import activation as _activation
 from torch_bn_grad._interop import onnx as _onnx
 from torch_bn_grad._rules.checks import check_mask, check_statistics
+from torch_bn_grad._forward.normalization import Normalization
 from torch_bn_grad._forward.masked_operators import FORWARD, FORWARD_ACT, valid_positions
 from torch_bn_grad._rules.running_stats import update_running_stats
 
@@ -28,13 +29,7 @@ from torch_bn_grad._rules.running_stats import update_running_stats
 def batch_norm(
     input: Tensor,
     mask: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
+    norm: Normalization,
     op: str = "batch_norm",
     *,
     skip_nonfinite_stats: bool = False,
@@ -43,28 +38,22 @@ def batch_norm(
     """Batch norm of ``input`` (N, C, *X) over the positions where ``mask`` (N, *X) is True
     (``skip_nonfinite_stats``, ``num_batches_tracked``: ``functional.batch_norm``'s)."""
     check_mask(op, input, mask)
+    running_mean, running_var, weight, bias, training, _, eps = norm
     if _compat.in_onnx_export():  # the exporters translate torch's operators, not this library's
         check_statistics(op, training, running_mean, running_var, eps)
-        return _onnx.masked_batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps)
+        return _onnx.masked_batch_norm(input, mask, norm)
     if not training and torch.compiler.is_exporting():  # see _library/frozen_composite.py
         check_statistics(op, training, running_mean, running_var, eps)
         return torch.ops.torch_bn_grad.batch_norm_forward.frozen_composite(
             input, weight, bias, running_mean, running_var, float(eps), mask)
-    return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)),
-                      running_mean, running_var, training, momentum, eps, op, skip_nonfinite_stats,
-                      num_batches_tracked)
+    return _normalize(lambda mean, var: FORWARD(input, mask, weight, bias, mean, var, float(eps)), norm, op,
+                      skip_nonfinite_stats, num_batches_tracked)
 
 
 def batch_norm_act(
     input: Tensor,
     mask: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
+    norm: Normalization,
     residual: Optional[Tensor],
     activation: str,
     negative_slope: float,
@@ -78,10 +67,11 @@ def batch_norm_act(
     ``input``'s shape, dtype and device, or none), else (CUDA, ONNX export)
     composed (:func:`masked_add_activate`)."""
     if not fused_masked_act(input, residual) or _compat.in_onnx_export():
-        y = batch_norm(input, mask, running_mean, running_var, weight, bias, training, momentum, eps, op,
-                              skip_nonfinite_stats=skip_nonfinite_stats, num_batches_tracked=num_batches_tracked)
+        y = batch_norm(input, mask, norm, op, skip_nonfinite_stats=skip_nonfinite_stats,
+                       num_batches_tracked=num_batches_tracked)
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     check_mask(op, input, mask)
+    running_mean, running_var, weight, bias, training, _, eps = norm
     if not training and torch.compiler.is_exporting():  # see _library/frozen_composite.py
         check_statistics(op, training, running_mean, running_var, eps)
         return torch.ops.torch_bn_grad.batch_norm_act_forward.frozen_composite(
@@ -90,7 +80,7 @@ def batch_norm_act(
     return _normalize(
         lambda mean, var: FORWARD_ACT(input, mask, weight, bias, mean, var, residual, float(eps), activation,
                                       float(negative_slope)),
-        running_mean, running_var, training, momentum, eps, op, skip_nonfinite_stats, num_batches_tracked)
+        norm, op, skip_nonfinite_stats, num_batches_tracked)
 
 
 def fused_masked_act(input: Tensor, residual: Optional[Tensor]) -> bool:
@@ -101,17 +91,14 @@ def fused_masked_act(input: Tensor, residual: Optional[Tensor]) -> bool:
 
 def _normalize(
     forward: Callable[[Optional[Tensor], Optional[Tensor]], tuple[Tensor, Tensor, Tensor, Tensor]],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
+    norm: Normalization,
     op: str,
     skip_nonfinite_stats: bool,
     num_batches_tracked: Optional[Tensor],
 ) -> Tensor:
     """Either masked operator, ``forward(mean, variance)``, with frozen statistics
     (eval) or batch statistics and the running-statistics update (training)."""
+    running_mean, running_var, _, _, training, momentum, eps = norm
     check_statistics(op, training, running_mean, running_var, eps)
     if not training:
         return forward(running_mean, running_var)[0]

@@ -5,12 +5,12 @@ operators, shared by every BatchNorm module of ``torch_bn_grad.nn``.
 (``_forward/scripted.py``), masked (``_forward/masked.py``), torch's own forward
 for the graph tools that know only torch's batch norm, or the unmasked batch
 norm (``_forward/plain.py``). The module's part is choosing the statistics
-(``_statistics``) and counting the batch, as ``_BatchNorm.forward`` does.
+and counting the batch as ``_BatchNorm.forward`` does (``_normalization``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -19,15 +19,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch_bn_grad import _compat, errors
 from torch_bn_grad._forward import masked, plain, scripted
 from torch_bn_grad._forward.lengths import resolve_mask
+from torch_bn_grad._forward.normalization import Normalization
 from torch_bn_grad._rules.checks import check_mask
 from torch_bn_grad._rules.running_stats import count_batch, skip_nonfinite_setting
 
-__all__ = ["BatchNormBase", "Statistics"]
-
-# What ``_BatchNorm.forward`` normalizes with, as the modules choose it: (running_mean,
-# running_var, use_batch_stats, momentum factor: a tensor for the cumulative average).
-# A plain tuple: a NamedTuple's construction costs a small eval forward a few percent.
-Statistics = tuple[Optional[Tensor], Optional[Tensor], bool, Union[float, Tensor]]
+__all__ = ["BatchNormBase"]
 
 
 class BatchNormBase:
@@ -62,35 +58,33 @@ class BatchNormBase:
         if torch.jit.is_scripting():  # a compile-time constant: TorchScript compiles this branch only
             return self._scripted_normalize(input, resolve_mask("batch_norm", input, mask, lengths))
         if mask is not None or lengths is not None:  # no torch forward for graph tools: torch has no masked batch norm
-            return self._normalize_masked(input, self._resolved_mask(input, mask, lengths), self._statistics())
+            return self._normalize_masked(input, self._resolved_mask(input, mask, lengths), self._normalization())
         if self._runs_torch_forward():
             return _BatchNorm.forward(self, input)
-        return self._normalize(input, self._statistics())
+        return self._normalize(input, self._normalization())
 
     # ------------------------------------------------------------ what every path shares
-    def _affine(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        parameters = self._parameters
-        return parameters.get("weight"), parameters.get("bias")
-
     def _skipping(self) -> tuple[bool, Optional[Tensor]]:
         """The path functions' ``skip_nonfinite_stats`` and ``num_batches_tracked`` (the
-        counter ``_statistics`` counted in)."""
+        counter ``_normalization`` counted in)."""
         if not self.skip_nonfinite_stats:
             return False, None
         return True, self._buffers.get("num_batches_tracked")
 
-    def _statistics(self) -> Statistics:
-        """What ``_BatchNorm.forward`` normalizes with, counting this batch in
-        ``num_batches_tracked``."""
+    def _normalization(self) -> Normalization:
+        """What ``_BatchNorm.forward`` normalizes with (the running statistics or the
+        batch's, and the update factor), counting this batch in ``num_batches_tracked``."""
         training, momentum = self.training, self.momentum
-        buffers = self._buffers
+        buffers, parameters = self._buffers, self._parameters
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+        weight, bias = parameters.get("weight"), parameters.get("bias")
         factor = count_batch(buffers.get("num_batches_tracked"), training and self.track_running_stats, momentum)
         if not training:
-            return running_mean, running_var, running_mean is None and running_var is None, factor
+            return running_mean, running_var, weight, bias, running_mean is None and running_var is None, factor, \
+                self.eps
         if not self.track_running_stats:
-            return None, None, True, factor
-        return running_mean, running_var, True, factor
+            return None, None, weight, bias, True, factor, self.eps
+        return running_mean, running_var, weight, bias, True, factor, self.eps
 
     def _runs_torch_forward(self) -> bool:
         """Whether the forward is torch's ``_BatchNorm.forward``, for the graph
@@ -110,7 +104,7 @@ class BatchNormBase:
         )
 
     def _resolved_mask(self, input: Tensor, mask: Optional[Tensor], lengths: Optional[Tensor]) -> Tensor:
-        """The checked mask of ``mask=`` or ``lengths=``, before ``_statistics`` counts the batch."""
+        """The checked mask of ``mask=`` or ``lengths=``, before ``_normalization`` counts the batch."""
         try:  # not in forward, which TorchScript compiles
             mask = resolve_mask(type(self).__name__, input, mask, lengths)
             check_mask(type(self).__name__, input, mask)
@@ -118,22 +112,18 @@ class BatchNormBase:
         except (ValueError, TypeError) as error:  # as functional.batch_norm's: see errors.py
             raise errors.torch_compatible(error) from None
 
-    def _normalize(self, input: Tensor, stats: Statistics) -> Tensor:
+    def _normalize(self, input: Tensor, norm: Normalization) -> Tensor:
         """The unmasked batch norm, once the module has chosen its statistics."""
-        running_mean, running_var, use_batch_stats, momentum = stats
         try:
-            return plain.batch_norm(input, running_mean, running_var, *self._affine(), use_batch_stats, momentum,
-                                    self.eps, *self._skipping())
+            return plain.batch_norm(input, norm, *self._skipping())
         except (ValueError, TypeError) as error:  # as functional.batch_norm's: see errors.py
             raise errors.torch_compatible(error) from None
 
-    def _normalize_masked(self, input: Tensor, mask: Tensor, stats: Statistics) -> Tensor:
+    def _normalize_masked(self, input: Tensor, mask: Tensor, norm: Normalization) -> Tensor:
         """The masked batch norm, once the module has chosen its statistics."""
-        running_mean, running_var, use_batch_stats, momentum = stats
         skip, counter = self._skipping()
         try:
-            return masked.batch_norm(input, mask, running_mean, running_var, *self._affine(), use_batch_stats,
-                                     momentum, self.eps, op=type(self).__name__, skip_nonfinite_stats=skip,
+            return masked.batch_norm(input, mask, norm, type(self).__name__, skip_nonfinite_stats=skip,
                                      num_batches_tracked=counter)
         except (ValueError, TypeError) as error:
             raise errors.torch_compatible(error) from None

@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from torch_bn_grad._forward.normalization import Normalization
 from torch_bn_grad._rules.checks import check_running_stats, check_training
 from torch_bn_grad._rules.eager import is_eager
 from torch_bn_grad._rules.running_stats import forward_update_applies, update_running_stats
@@ -30,20 +31,13 @@ ACT_FORWARD = torch.ops.torch_bn_grad.batch_norm_act_forward
 
 
 def batch_norm(
-    input: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
-    skip_nonfinite_stats: bool = False,
+    input: Tensor, norm: Normalization, skip_nonfinite_stats: bool = False,
     num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
     """``functional.batch_norm`` without a mask (its arguments, its semantics)."""
     if input.dim() == 1:
-        return _rank1(input, running_mean, running_var, weight, bias, training)
+        return _rank1(input, norm)
+    running_mean, running_var, weight, bias, training, momentum, eps = norm
     eps = float(eps)
     if not training:
         check_running_stats("batch_norm", running_mean, running_var)
@@ -63,13 +57,7 @@ def batch_norm(
 
 def batch_norm_act(
     input: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
+    norm: Normalization,
     residual: Optional[Tensor],
     activation: str,
     negative_slope: float,
@@ -80,7 +68,8 @@ def batch_norm_act(
     """``functional.batch_norm_act`` without a mask, its activation arguments checked
     (``negative_slope`` as ``_rules.activation.check`` returns it)."""
     if input.dim() == 1:  # only an empty input is valid: an empty output
-        return _rank1(input, running_mean, running_var, weight, bias, training)
+        return _rank1(input, norm)
+    running_mean, running_var, weight, bias, training, momentum, eps = norm
     eps, memory_saving = float(eps), bool(memory_saving)
     if not training:
         check_running_stats("batch_norm_act", running_mean, running_var)
@@ -102,16 +91,10 @@ def batch_norm_act(
     return dst
 
 
-def _rank1(
-    input: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-) -> Tensor:
+def _rank1(input: Tensor, norm: Normalization) -> Tensor:
     """A rank-1 input, as torch takes it: no channel axis, so only an empty input
     (with empty or no per-channel tensors) is valid, and it gives an empty output."""
+    running_mean, running_var, weight, bias, training, _, _ = norm
     if training and input.shape[0] == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
     if input.numel() != 0:

@@ -18,7 +18,7 @@ non-finite statistics as the eager update does when the module's
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -25,13 +25,14 @@ error naming the operator.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from torch_bn_grad._rules import channels as _channels
 from torch_bn_grad._forward.masked_operators import valid_positions
+from torch_bn_grad._forward.normalization import Normalization
 from torch_bn_grad._rules.running_stats import update_running_stats
 
 __all__ = ["masked_batch_norm", "register"]
@@ -41,18 +42,9 @@ ONNX_FLOAT, ONNX_DOUBLE = 1, 11  # onnx.TensorProto's element types
 
 
 # ---------------------------------------------------------------- the masked modules' forward
-def masked_batch_norm(
-    input: Tensor,
-    mask: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    training: bool,
-    momentum: Union[float, Tensor],
-    eps: float,
-) -> Tensor:
+def masked_batch_norm(input: Tensor, mask: Tensor, norm: Normalization) -> Tensor:
     """``_forward/masked.py``'s ``batch_norm`` (arguments checked) in torch operators, for the exporters."""
+    running_mean, running_var, weight, bias, training, momentum, eps = norm
     valid = valid_positions(mask)
     if not training:
         # Padded positions may hold anything (NaN included): Where picks 0 there.

@@ -87,7 +87,7 @@ def composed(src: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], mean:
     statistics as under autocast), then the mask, residual and activation."""
     gamma, beta, mean, variance = _channels.to_accumulation_dtype(src, gamma, beta, mean, variance)
     if mask is not None:
-        y = _onnx.masked_batch_norm(src, mask, mean, variance, gamma, beta, False, 0.0, epsilon)
+        y = _onnx.masked_batch_norm(src, mask, (mean, variance, gamma, beta, False, 0.0, epsilon))
         return masked_add_activate(y, mask, residual, activation, negative_slope)
     y = torch.nn.functional.batch_norm(src, mean, variance, gamma, beta, False, 0.0, epsilon)
     if residual is not None:
