@@ -36,35 +36,20 @@ reason (and the BatchNorms of modules that could not be traced).
 from __future__ import annotations
 
 import inspect
-import operator
 import sys
 import warnings
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from torch_bn_grad._rules import activation as _activation
 from torch_bn_grad._conversion import convert as _convert
 from torch_bn_grad._conversion.convert import Targets
-
-_ACT_MODULES = {module: name for name, module in _activation.TORCH_MODULES.items()}
-_ACT_FUNCTIONS = {F.relu: "relu", F.relu_: "relu", torch.relu: "relu", torch.relu_: "relu",
-                  F.leaky_relu: "leaky_relu", F.leaky_relu_: "leaky_relu", F.silu: "silu"}
-_ACT_METHODS = {"relu": "relu", "relu_": "relu"}
-# Activations that are recognized (so that the warning names the site) but not fused.
-_OTHER_FUNCTIONS = {F.relu6, F.hardswish, F.hardsigmoid, F.gelu, F.elu, F.selu, F.celu, F.mish, F.hardtanh,
-                    F.softplus, F.sigmoid, F.tanh, torch.sigmoid, torch.tanh}
-_OTHER_METHODS = {"sigmoid", "sigmoid_", "tanh", "tanh_"}
-_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
-_ADD_METHODS = {"add", "add_"}
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
+from torch_bn_grad._conversion.fuse_sites import ACT_MODULES, Site, has_hooks, match, unfusable
 
 def fuse(
     module: nn.Module, targets: Targets, sync: bool, process_group: Optional[dist.ProcessGroup], subclasses: bool,
@@ -118,14 +103,14 @@ def _timm_activation(module: nn.Module, sync: bool) -> tuple[Optional[tuple[str,
     drop, act = getattr(module, "drop", None), getattr(module, "act", None)
     if drop is not None and type(drop) is not nn.Identity:
         return None, f"its drop is {type(drop).__name__}, not Identity"
-    if _has_hooks(drop) or _has_hooks(act):
+    if has_hooks(drop) or has_hooks(act):
         return None, "its drop or act has hooks"
     if act is None or type(act) is nn.Identity:
         return ("identity", 0.01), ""
-    if type(act) not in _ACT_MODULES:
+    if type(act) not in ACT_MODULES:
         return None, f"its act {type(act).__name__} is not one of ReLU, LeakyReLU, SiLU, Identity"
-    activation = (_ACT_MODULES[type(act)], float(getattr(act, "negative_slope", 0.01)))
-    why = _unfusable(f"its act {type(act).__name__}", *activation)
+    activation = (ACT_MODULES[type(act)], float(getattr(act, "negative_slope", 0.01)))
+    why = unfusable(f"its act {type(act).__name__}", *activation)
     return (None, why) if why else (activation, "")
 
 
@@ -158,7 +143,7 @@ def _fuse_tree(module: nn.Module, targets: Targets, path: str, memory_saving: bo
 
 def _trace(module: nn.Module) -> tuple[Optional[fx.Graph], str]:
     """``module``'s graph, or None and why it cannot be used."""
-    if _has_hooks(module):
+    if has_hooks(module):
         return None, "it has hooks"
     params = list(inspect.signature(module.forward).parameters.values())
     if any(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -179,95 +164,6 @@ def _trace(module: nn.Module) -> tuple[Optional[fx.Graph], str]:
     return graph, ""
 
 
-# ------------------------------------------------------------------ matching
-@dataclass
-class _Site:
-    bn: fx.Node
-    act: fx.Node
-    add: Optional[fx.Node]  # bn + residual
-    activation: str
-    negative_slope: float
-
-
-def _activation_of(node: fx.Node, input: fx.Node, modules: dict[str, nn.Module]) -> Optional[tuple[str, Any]]:
-    """("relu"|"leaky_relu"|"silu", slope) when ``node`` applies a fusable activation to ``input``,
-    ("other", description) for another activation, None for anything else."""
-    if not node.args or node.args[0] is not input:
-        return None
-    if node.op == "call_module":
-        m = modules[node.target]  # type: ignore[index]
-        if type(m) in _ACT_MODULES and len(node.args) == 1 and not node.kwargs:
-            return _ACT_MODULES[type(m)], float(getattr(m, "negative_slope", 0.01))
-        if type(m).__module__ == "torch.nn.modules.activation":
-            return "other", f"{type(m).__name__} module"
-        return None
-    if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
-        name = _ACT_FUNCTIONS[node.target]  # type: ignore[index]
-        slope: Any = 0.01
-        if name == "leaky_relu":
-            slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
-            if isinstance(slope, bool) or not isinstance(slope, (int, float)):
-                return "other", "leaky_relu with a computed slope"
-        return name, float(slope)
-    if node.op == "call_method" and node.target in _ACT_METHODS and len(node.args) == 1:
-        return _ACT_METHODS[node.target], 0.01  # type: ignore[index]
-    if (node.op == "call_function" and node.target in _OTHER_FUNCTIONS) or (
-            node.op == "call_method" and node.target in _OTHER_METHODS):
-        return "other", getattr(node.target, "__name__", str(node.target))
-    return None
-
-
-def _residual_of(node: fx.Node, bn: fx.Node) -> Optional[fx.Node]:
-    """The other operand when ``node`` is ``bn + residual`` (or ``residual + bn``), else None."""
-    is_add = (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or (
-        node.op == "call_method" and node.target in _ADD_METHODS)
-    if not is_add or len(node.args) != 2 or node.kwargs:
-        return None
-    a, b = node.args
-    in_place = node.target in (operator.iadd, "add_")
-    if a is bn and isinstance(b, fx.Node) and b is not bn:
-        return b
-    if b is bn and isinstance(a, fx.Node) and a is not bn and not in_place:  # never drop a mutation of a
-        return a
-    return None
-
-
-def _match(node: fx.Node, modules: dict[str, nn.Module], calls: Counter) -> Union[_Site, str, None]:
-    """The site starting at the BatchNorm call ``node``; a reason string when it is one
-    that cannot be fused; None when no activation follows."""
-    users = list(node.users)
-    if len(users) != 1:
-        acts = [u for u in users if _activation_of(u, node, modules) is not None]
-        return "its output has other uses than the activation" if acts else None
-    act_node, add = users[0], None
-    act = _activation_of(act_node, node, modules)
-    if act is None:
-        if _residual_of(act_node, node) is None:
-            return None
-        add = act_node
-        after = list(add.users)
-        acts = [u for u in after if _activation_of(u, add, modules) is not None]
-        if len(after) != 1:
-            return "the sum with the residual has other uses than the activation" if acts else None
-        act_node = after[0]
-        act = _activation_of(act_node, add, modules)
-        if act is None:
-            return None
-    if act[0] == "other":
-        return f"the activation ({act[1]}) is not fusable (ReLU, LeakyReLU, SiLU)"
-    why = _unfusable(f"the activation ({act[0]})", act[0], act[1])
-    if why:
-        return why
-    bn = modules[node.target]  # type: ignore[index]
-    if len(node.args) != 1 or node.kwargs:
-        return "the BatchNorm is called with more than its input"
-    if _has_hooks(bn) or (act_node.op == "call_module" and _has_hooks(modules[act_node.target])):  # type: ignore[index]
-        return "the BatchNorm or the activation module has hooks"
-    if calls[id(bn)] > 1:
-        return "the BatchNorm module is called more than once"
-    return _Site(node, act_node, add, act[0], act[1])
-
-
 # ------------------------------------------------------------------ rewriting
 def _rewrite(module: nn.Module, targets: Targets, graph: fx.Graph, path: str, memory_saving: bool,
              unfused: list[tuple[str, str]]) -> nn.Module:
@@ -277,7 +173,7 @@ def _rewrite(module: nn.Module, targets: Targets, graph: fx.Graph, path: str, me
     for node in list(graph.nodes):
         if node.op != "call_module" or type(modules[node.target]) not in targets.fused:  # type: ignore[index]
             continue
-        found = _match(node, modules, calls)
+        found = match(node, modules, calls)
         if isinstance(found, str):
             unfused.append((f"{path}.{node.target}" if path else str(node.target), found))
         elif found is not None and all(found.act is not site.act for site in sites):
@@ -325,7 +221,7 @@ def _fused_module(bn: nn.Module, targets: Targets, activation: str, negative_slo
     return fused
 
 
-def _in_sequential(site: _Site, modules: dict[str, nn.Module], calls: Counter) -> bool:
+def _in_sequential(site: Site, modules: dict[str, nn.Module], calls: Counter) -> bool:
     """Whether the site is a BatchNorm and its activation module, adjacent in a plain ``nn.Sequential``."""
     if site.add is not None or site.act.op != "call_module":
         return False
@@ -390,15 +286,3 @@ def _split(target: str) -> tuple[str, str]:
     return parent, name
 
 
-def _has_hooks(module: Optional[nn.Module]) -> bool:
-    return module is not None and any(getattr(module, key, None) for key in _HOOKS)
-
-
-def _unfusable(what: str, activation: str, negative_slope: float) -> str:
-    """Why the fused operators refuse these activation arguments (their check's
-    message, naming ``what``: a LeakyReLU's negative slope), or "" when they take them."""
-    try:
-        _activation.check(what, activation, negative_slope)
-    except (TypeError, ValueError) as error:
-        return str(error)
-    return ""
