@@ -129,3 +129,18 @@ def test_no_module_uses_another_modules_private_names():
     _, private = _graph()
     offenders = {name: uses for name, uses in private.items() if uses}
     assert offenders == {}, "make the shared helper public (no underscore) in the module that owns it"
+
+
+def test_private_modules_live_in_subpackages_by_idea():
+    """The package's top holds the public modules (where users import them) and
+    ``_compat``; every other private module sits in a subpackage whose docstring
+    says what it holds, and nothing is left that no subpackage file names."""
+    top_private = sorted(path.stem for path in ROOT.glob("_*.py") if path.stem not in ("__init__", "_compat"))
+    assert top_private == [], "private modules belong in a subpackage (_rules, _forward, _library, ...)"
+    for package in sorted(path for path in ROOT.iterdir() if path.is_dir() and (path / "__init__.py").exists()):
+        tree = ast.parse((package / "__init__.py").read_text())
+        doc = ast.get_docstring(tree) or ""
+        assert doc, f"{package.name}/__init__.py: a docstring saying what the subpackage holds"
+        if package.name.startswith("_"):
+            unnamed = [p.name for p in sorted(package.glob("*.py")) if p.name != "__init__.py" and p.name not in doc]
+            assert unnamed == [], f"{package.name}/__init__.py's docstring does not name {unnamed}"
