@@ -1,7 +1,7 @@
-// This library's operators in C++: the kernel of each dispatch key each has
-// (TBG_OPERATORS, which library/registration.cpp registers), each kernel
-// declared with its operator's signature (library/signatures.h), and each
-// operator's typed dispatcher handle, for the C++ code that calls it.
+// This library's operators in C++: TBG_OPERATORS, the kernels each has (which
+// library/registration.cpp registers), each kernel declared with its
+// operator's signature (library/signatures.h), and each operator's typed
+// dispatcher handle, which every C++ caller uses.
 //
 // A kernel is defined with its operator's parameters:
 //   Outputs3 batch_norm_forward_cpu(TBG_PARAMS(batch_norm_forward)) { ... }
@@ -18,9 +18,10 @@
 
 namespace torch_bn_grad {
 
-// Every operator, a row: its name (its schema name, "." as "_"), its schema name, what it returns, then the
-// dispatch keys it has a kernel for, `_` where it has none (its Autograd kernel is then
-// Python's, torch_bn_grad/_autograd_kernel.py through autograd/python_autograd.cpp, or none).
+// Every operator, a row: its name (the schema name, '.' as '_'), its schema name, what it
+// returns, then the dispatch keys it has a kernel for, `_` where it has none (its Autograd
+// kernel is then a Python formula, registered through autograd/python_autograd.cpp, or none);
+// composite: CompositeImplicitAutograd (Implicit) or CompositeExplicitAutograd (Explicit).
 //  name                                     schema name                                returns     CPU  CUDA  Autograd  composite
 #define TBG_OPERATORS(X) \
   X(batch_norm_forward,                      "batch_norm_forward",                      Outputs3,   CPU, CUDA, Autograd, _)        \
