@@ -9,7 +9,7 @@ C++ ABI that the installed torch may not have).
 The C++ operators are always built for the CPU. The hot CPU kernels in
 ``csrc/cpu/kernels/`` are compiled once per instruction set and the matching
 copy is picked at run time from ``at::get_cpu_capability()``; which copies,
-``cpu_build.py`` says (by default DEFAULT and those this CPU runs). Every
+``cpu_build.py`` says (by default DEFAULT and the one this CPU runs). Every
 compile (per-ISA kernels and the rest) runs from one queue, as many at once
 as there are CPUs (``MAX_JOBS``), the longest first; the other sources share a precompiled header of torch's
 headers. CUDA kernels are built where a GPU is visible, for its architecture,
@@ -75,9 +75,13 @@ KERNEL_COPY_FLAGS = {isa: cpu_build.flags(isa, CPU_ISAS) for isa in CPU_ISAS}
 
 KERNEL_SOURCES = [os.path.join(ROOT, path) for path in build_sources.kernel_sources()]
 # The heavy headers most of the other C++ sources include (Python.h first, as
-# Python asks), precompiled once for all of them with GCC: parsing them is a
-# large part of each source's compile. TORCH_BN_GRAD_PCH=0 compiles without.
-PRECOMPILED = "#include <Python.h>\n#include <ATen/ATen.h>\n#include <torch/library.h>\n"
+# Python asks), precompiled once for all of them with GCC: parsing them is
+# most of each source's compile (the autograd headers, two thirds of an
+# Autograd kernel unit's). TORCH_BN_GRAD_PCH=0 compiles without.
+PRECOMPILED = "".join(f"#include <{header}>\n" for header in (
+    "Python.h", "ATen/ATen.h", "torch/library.h", "torch/csrc/autograd/function.h",
+    "torch/csrc/autograd/functions/utils.h", "torch/csrc/autograd/saved_variable.h",
+    "torch/csrc/autograd/variable.h"))
 USE_PCH = os.environ.get("TORCH_BN_GRAD_PCH", "1") != "0"
 
 

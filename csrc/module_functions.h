@@ -1,5 +1,5 @@
 // What the Python module `torch_bn_grad._C` exposes besides the operators
-// (ops.cpp): process-wide state of the backends, declared here without any
+// (python_module.cpp): process-wide state of the backends, declared here without any
 // backend's headers. The definitions live with the backend they describe.
 #pragma once
 

@@ -310,13 +310,7 @@ ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Te
   return p;
 }
 
-ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<at::Tensor>& src,
-                                const std::optional<at::Tensor>& dst, const std::optional<at::Tensor>& residual,
-                                const at::Tensor& mean, const at::Tensor& variance,
-                                const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-                                double epsilon, c10::string_view activation, double negative_slope,
-                                c10::string_view data_format, bool from_output,
-                                const std::optional<at::Tensor>& dst_positive) {
+ActPlan check_act_backward_args(TBG_PARAMS(batch_norm_act_backward)) {
   const char* op = "batch_norm_act_backward";
   const act::Kind kind = check_activation(op, activation, negative_slope);
   TORCH_CHECK_VALUE(!from_output || act::invertible(kind, negative_slope), op,

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "library/signatures.h"
 #include "math/activation_math.h"
 #include "math/extent.h"
 
@@ -82,13 +83,8 @@ ActPlan check_act_forward_args(const at::Tensor& src, const std::optional<at::Te
                                const std::optional<at::Tensor>& variance,
                                const std::optional<at::Tensor>& residual, double epsilon,
                                c10::string_view activation, double negative_slope, c10::string_view data_format);
-ActPlan check_act_backward_args(const at::Tensor& diff_dst, const std::optional<at::Tensor>& src,
-                                const std::optional<at::Tensor>& dst, const std::optional<at::Tensor>& residual,
-                                const at::Tensor& mean, const at::Tensor& variance,
-                                const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-                                double epsilon, c10::string_view activation, double negative_slope,
-                                c10::string_view data_format, bool from_output,
-                                const std::optional<at::Tensor>& dst_positive);
+// The fused backward's: all of batch_norm_act_backward's arguments.
+ActPlan check_act_backward_args(TBG_PARAMS(batch_norm_act_backward));
 
 // The fused masked operators' arguments: the masked operators', a residual
 // like src, the activation; the backward's dst (read for act' of relu and

@@ -1,6 +1,6 @@
 // The fused operators' activation gate in differentiable at:: ops: what
 // their autograd formulas' composite routes (double backward, jvp) use for
-// dz = dy * act'(z) (batch_norm_act_autograd.cpp, masked_autograd.cpp).
+// dz = dy * act'(z) (batch_norm_act_autograd.cpp, batch_norm_masked_autograd.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

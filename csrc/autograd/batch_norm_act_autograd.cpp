@@ -10,7 +10,8 @@
 // Double backward, and gradients reaching the returned statistics or frozen
 // statistics that require grad, take a composite route instead: dz = dy * act'(z)
 // in differentiable at:: ops, then batch_norm_forward_grad (differentiable to
-// any order). That route needs src, so memory_saving refuses it.
+// any order). That route needs src, so memory_saving refuses it. The fused
+// backward operator's own Autograd kernel refuses to be differentiated.
 //
 // A plain Node, as batch_norm_autograd.cpp's (torch::autograd::Function is
 // refused under torch.func transforms).
@@ -20,26 +21,26 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/library.h>
 
 #include <array>
 #include <optional>
 #include <string>
 
-#include "autograd/operator_handles.h"
 #include "autograd/act_grad.h"
 #include "autograd/autograd_node.h"
+#include "autograd/backward_refusal.h"
 #include "autograd/buffer_versions.h"
 #include "autograd/channel_algebra.h"
-#include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
 #include "autograd/forward_grad.h"
+#include "library/operators.h"
 
 namespace torch_bn_grad {
 namespace {
 
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
+
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 
@@ -91,10 +92,10 @@ struct ActForwardNode : public torch::autograd::Node {
     const at::Tensor m = mean.unpack(self), v = variance.unpack(self);
     auto [diff_src, diff_gamma, diff_beta, diff_residual] = [&] {
       at::AutoDispatchBelowADInplaceOrView below_autograd;  // grad mode is off: nothing to record
-      return act_backward_op().call(grads[0], optional(src.unpack(self)), optional(dst.unpack(self)),
-                                    optional(residual.unpack(self)), m, v, in_dtype(g, m.scalar_type()),
-                                    in_dtype(b, m.scalar_type()), epsilon, activation, slope, data_format,
-                                    training, memory_saving, mask, optional(dst_positive.unpack(self)));
+      return op::batch_norm_act_backward().call(
+          grads[0], optional(src.unpack(self)), optional(dst.unpack(self)), optional(residual.unpack(self)), m, v,
+          in_dtype(g, m.scalar_type()), in_dtype(b, m.scalar_type()), epsilon, activation, slope, data_format,
+          training, memory_saving, mask, optional(dst_positive.unpack(self)));
     }();
     if (mask[0]) out[0] = diff_src;
     if (mask[1]) out[1] = to_dtype(diff_gamma, g.scalar_type());
@@ -230,101 +231,88 @@ Outputs3 without_bits(const Outputs4& outputs) {
   return {dst, mean_used, variance_used};
 }
 
-Outputs3 batch_norm_act_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                         const OptionalTensor& beta, const OptionalTensor& mean,
-                                         const OptionalTensor& variance, const OptionalTensor& residual,
-                                         double epsilon, c10::string_view activation, double negative_slope,
-                                         c10::string_view data_format, bool memory_saving) {
+}  // namespace
+
+Outputs3 batch_norm_act_forward_autograd(TBG_PARAMS(batch_norm_act_forward)) {
   return without_bits(act_forward_autograd(
       src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, memory_saving,
       SignBits::kWhereUseful, [&](bool sign_bits) {
         if (sign_bits) {
-          return act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
-                                                 negative_slope, data_format);
+          return op::batch_norm_act_forward_sign_bits().call(src, gamma, beta, mean, variance, residual, epsilon,
+                                                             activation, negative_slope, data_format);
         }
-        return with_undefined_bits(act_forward_op().call(src, gamma, beta, mean, variance, residual, epsilon,
-                                                         activation, negative_slope, data_format, memory_saving));
+        return with_undefined_bits(op::batch_norm_act_forward().call(
+            src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,
+            memory_saving));
       }));
 }
 
-Outputs4 batch_norm_act_forward_sign_bits_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                                   const OptionalTensor& beta, const OptionalTensor& mean,
-                                                   const OptionalTensor& variance, const OptionalTensor& residual,
-                                                   double epsilon, c10::string_view activation,
-                                                   double negative_slope, c10::string_view data_format) {
+Outputs4 batch_norm_act_forward_sign_bits_autograd(TBG_PARAMS(batch_norm_act_forward_sign_bits)) {
   return act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
                               data_format, false, SignBits::kAsked, [&](bool) {
-                                return act_forward_sign_bits_op().call(src, gamma, beta, mean, variance, residual,
-                                                                       epsilon, activation, negative_slope,
-                                                                       data_format);
+                                return op::batch_norm_act_forward_sign_bits().call(
+                                    src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
+                                    data_format);
                               });
 }
 
 // The .frozen overload: below autograd where nothing records (an eval step),
 // else batch_norm_act_forward's formula, whose dst it returns.
-at::Tensor batch_norm_act_forward_frozen_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                                  const OptionalTensor& beta, const at::Tensor& mean,
-                                                  const at::Tensor& variance, const OptionalTensor& residual,
-                                                  double epsilon, c10::string_view activation,
-                                                  double negative_slope, c10::string_view data_format,
-                                                  bool memory_saving) {
+at::Tensor batch_norm_act_forward_frozen_autograd(TBG_PARAMS(batch_norm_act_forward_frozen)) {
   if (autograd_records(src, gamma, beta, mean, variance, residual)) {
     return std::get<0>(batch_norm_act_forward_autograd(src, gamma, beta, mean, variance, residual, epsilon,
                                                        activation, negative_slope, data_format, memory_saving));
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return act_forward_frozen_op().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
-                                      negative_slope, data_format, memory_saving);
+  return op::batch_norm_act_forward_frozen().call(src, gamma, beta, mean, variance, residual, epsilon, activation,
+                                                  negative_slope, data_format, memory_saving);
 }
 
 // The .update overloads: the training forward's autograd (the update's
 // operator with sign bits where the forward's would take them), then the
 // buffers' versions bumped (an empty batch's too: whether it is empty may be
 // symbolic here).
-Outputs3 batch_norm_act_forward_update_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                                const OptionalTensor& beta, const OptionalTensor& running_mean,
-                                                const OptionalTensor& running_var, const OptionalTensor& residual,
-                                                double momentum, double epsilon, c10::string_view activation,
-                                                double negative_slope, c10::string_view data_format,
-                                                bool memory_saving) {
+Outputs3 batch_norm_act_forward_update_autograd(TBG_PARAMS(batch_norm_act_forward_update)) {
   Outputs3 outputs = without_bits(act_forward_autograd(
       src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon, activation, negative_slope, data_format,
       memory_saving, SignBits::kWhereUseful, [&](bool sign_bits) {
         if (sign_bits) {
-          return act_forward_sign_bits_update_op().call(src, gamma, beta, running_mean, running_var, residual,
-                                                        momentum, epsilon, activation, negative_slope, data_format);
+          return op::batch_norm_act_forward_sign_bits_update().call(src, gamma, beta, running_mean, running_var,
+                                                                    residual, momentum, epsilon, activation,
+                                                                    negative_slope, data_format);
         }
-        return with_undefined_bits(act_forward_update_op().call(src, gamma, beta, running_mean, running_var,
-                                                                residual, momentum, epsilon, activation,
-                                                                negative_slope, data_format, memory_saving));
+        return with_undefined_bits(op::batch_norm_act_forward_update().call(
+            src, gamma, beta, running_mean, running_var, residual, momentum, epsilon, activation, negative_slope,
+            data_format, memory_saving));
       }));
   bump_versions(running_mean, running_var);
   return outputs;
 }
 
-Outputs4 batch_norm_act_forward_sign_bits_update_autograd(
-    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
-    const OptionalTensor& running_mean, const OptionalTensor& running_var, const OptionalTensor& residual,
-    double momentum, double epsilon, c10::string_view activation, double negative_slope,
-    c10::string_view data_format) {
+Outputs4 batch_norm_act_forward_sign_bits_update_autograd(TBG_PARAMS(batch_norm_act_forward_sign_bits_update)) {
   Outputs4 outputs = act_forward_autograd(
       src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon, activation, negative_slope, data_format,
       false, SignBits::kAsked, [&](bool) {
-        return act_forward_sign_bits_update_op().call(src, gamma, beta, running_mean, running_var, residual,
-                                                      momentum, epsilon, activation, negative_slope, data_format);
+        return op::batch_norm_act_forward_sign_bits_update().call(src, gamma, beta, running_mean, running_var,
+                                                                  residual, momentum, epsilon, activation,
+                                                                  negative_slope, data_format);
       });
   bump_versions(running_mean, running_var);
   return outputs;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
-  m.impl("batch_norm_act_forward", &batch_norm_act_forward_autograd);
-  m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_autograd);
-  m.impl("batch_norm_act_forward.update", &batch_norm_act_forward_update_autograd);
-  m.impl("batch_norm_act_forward.frozen", &batch_norm_act_forward_frozen_autograd);
-  m.impl("batch_norm_act_forward_sign_bits.update", &batch_norm_act_forward_sign_bits_update_autograd);
+// The fused backward operator: not differentiable itself (batch_norm_act_forward's
+// formula differentiates to any order), so a graph through it raises when it is
+// differentiated.
+Outputs4 batch_norm_act_backward_autograd(TBG_PARAMS(batch_norm_act_backward)) {
+  return call_refusing_derivatives(
+      "batch_norm_act_backward", "batch_norm_act_forward (or functional.batch_norm_act)",
+      [&] {
+        return op::batch_norm_act_backward().call(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
+                                                  activation, negative_slope, data_format, training, from_output,
+                                                  output_mask, dst_positive);
+      },
+      diff_dst, src, dst, residual, mean, variance, gamma, beta);
 }
 
 }  // namespace torch_bn_grad

@@ -11,7 +11,6 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/library.h>
 
 #include <array>
 #include <optional>
@@ -20,35 +19,28 @@
 #include "autograd/autograd_node.h"
 #include "autograd/buffer_versions.h"
 #include "autograd/channel_algebra.h"
-#include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
 #include "autograd/forward_grad.h"
-#include "autograd/operator_handles.h"
+#include "library/operators.h"
 
 namespace torch_bn_grad {
 namespace {
 
 using torch::autograd::variable_list;
-const auto& backward_op() {
-  static const auto op = typed_operator<Outputs3(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, const OptionalTensor&, double, c10::string_view,
-                                                 bool, std::array<bool, 3>)>("torch_bn_grad::batch_norm_backward");
-  return op;
-}
 
 // The backward operator. Without grad mode nothing is recorded, so its
 // (Python) autograd kernel is skipped; with it (double backward) it records,
 // and with tangents (forward over reverse) it computes theirs.
-Outputs3 call_backward_op(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
-                          const at::Tensor& variance, const OptionalTensor& gamma, double epsilon,
-                          c10::string_view data_format, bool training, std::array<bool, 3> mask) {
+Outputs3 call_backward_op(TBG_PARAMS(batch_norm_backward)) {
   const bool forward_ad = has_tangent(src) || has_tangent(diff_dst) || has_tangent(mean) || has_tangent(variance) ||
                           has_tangent(gamma);
   if (!at::GradMode::is_enabled() && !forward_ad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return backward_op().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, mask);
+    return op::batch_norm_backward().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training,
+                                          output_mask);
   }
-  return backward_op().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, mask);
+  return op::batch_norm_backward().call(src, diff_dst, mean, variance, gamma, epsilon, data_format, training,
+                                          output_mask);
 }
 
 }  // namespace
@@ -61,11 +53,7 @@ Outputs3 call_backward_op(const at::Tensor& src, const at::Tensor& diff_dst, con
 // batch_statistics_grad to diff_src. Frozen statistics: frozen_statistics_grads
 // (forward_grad.h); the returned statistics are the inputs themselves, so
 // their gradients add.
-Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& gamma, const at::Tensor& mean,
-                                 const at::Tensor& variance, const OptionalTensor& grad_dst,
-                                 const OptionalTensor& grad_mean, const OptionalTensor& grad_variance,
-                                 double epsilon, c10::string_view data_format, bool training,
-                                 std::optional<at::ScalarType> param_dtype, std::array<bool, 5> output_mask) {
+Outputs5 batch_norm_forward_grad(TBG_PARAMS(batch_norm_forward_grad)) {
   const auto [need_src, need_gamma, need_beta, need_mean, need_variance] = output_mask;
   const bool frozen = !training;
   const at::Tensor dy = grad_dst.has_value() && grad_dst->defined() ? *grad_dst : at::zeros_like(src);
@@ -108,7 +96,6 @@ Outputs5 batch_norm_forward_grad(const at::Tensor& src, const OptionalTensor& ga
 }
 
 namespace {
-
 
 // The autograd node of batch_norm_forward. A plain Node, as ATen's own are
 // (torch::autograd::Function is refused under torch.func transforms); the
@@ -190,45 +177,36 @@ Outputs3 forward_with_autograd(const at::Tensor& src, const OptionalTensor& gamm
   return outputs;
 }
 
-Outputs3 batch_norm_forward_autograd(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
-                                     const OptionalTensor& mean, const OptionalTensor& variance, double epsilon,
-                                     c10::string_view data_format) {
-  return forward_with_autograd(src, gamma, beta, mean, variance, epsilon, data_format,
-                               [&] { return forward_op().call(src, gamma, beta, mean, variance, epsilon, data_format); });
+}  // namespace
+
+Outputs3 batch_norm_forward_autograd(TBG_PARAMS(batch_norm_forward)) {
+  return forward_with_autograd(src, gamma, beta, mean, variance, epsilon, data_format, [&] {
+    return op::batch_norm_forward().call(src, gamma, beta, mean, variance, epsilon, data_format);
+  });
 }
 
 // The .frozen overload: below autograd where nothing records (an eval step),
 // else batch_norm_forward's formula, whose dst it returns.
-at::Tensor batch_norm_forward_frozen_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                              const OptionalTensor& beta, const at::Tensor& mean,
-                                              const at::Tensor& variance, double epsilon,
-                                              c10::string_view data_format) {
-  static const auto op = typed_operator<at::Tensor(const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                                                   const at::Tensor&, const at::Tensor&, double, c10::string_view)>(
-      "torch_bn_grad::batch_norm_forward", "frozen");
+at::Tensor batch_norm_forward_frozen_autograd(TBG_PARAMS(batch_norm_forward_frozen)) {
   if (autograd_records(src, gamma, beta, mean, variance)) {
     return std::get<0>(batch_norm_forward_autograd(src, gamma, beta, mean, variance, epsilon, data_format));
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(src, gamma, beta, mean, variance, epsilon, data_format);
+  return op::batch_norm_forward_frozen().call(src, gamma, beta, mean, variance, epsilon, data_format);
 }
 
 // The forward's autograd, then the buffers' versions bumped (an empty batch's
 // too: whether it is empty may be symbolic here).
-Outputs3 batch_norm_forward_update_autograd(const at::Tensor& src, const OptionalTensor& gamma,
-                                            const OptionalTensor& beta, const OptionalTensor& running_mean,
-                                            const OptionalTensor& running_var, double momentum, double epsilon,
-                                            c10::string_view data_format) {
-  static const auto op =
-      typed_operator<Outputs3(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-                              const OptionalTensor&, double, double, c10::string_view)>(
-          "torch_bn_grad::batch_norm_forward", "update");
+Outputs3 batch_norm_forward_update_autograd(TBG_PARAMS(batch_norm_forward_update)) {
   Outputs3 outputs = forward_with_autograd(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format, [&] {
-    return op.call(src, gamma, beta, running_mean, running_var, momentum, epsilon, data_format);
+    return op::batch_norm_forward_update().call(src, gamma, beta, running_mean, running_var, momentum, epsilon,
+                                                data_format);
   });
   bump_versions(running_mean, running_var);
   return outputs;
 }
+
+namespace {
 
 // The running statistics are buffers, never differentiated: `call` runs the
 // update below autograd, and the version counters are bumped unless the
@@ -243,39 +221,19 @@ void update_below_autograd(const OptionalTensor& running_mean, const OptionalTen
   if (may_change) bump_versions(running_mean, running_var);
 }
 
-void update_running_stats_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
-                                   const at::Tensor& mean, const at::Tensor& variance, int64_t count,
-                                   double momentum) {
-  static const auto op = typed_operator<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
-                                             const at::Tensor&, int64_t, double)>(
-      "torch_bn_grad::batch_norm_update_running_stats");
-  update_below_autograd(running_mean, running_var, count != 0,
-                        [&] { op.call(running_mean, running_var, mean, variance, count, momentum); });
+}  // namespace
+
+void batch_norm_update_running_stats_autograd(TBG_PARAMS(batch_norm_update_running_stats)) {
+  update_below_autograd(running_mean, running_var, count != 0, [&] {
+    op::batch_norm_update_running_stats().call(running_mean, running_var, mean, variance, count, momentum);
+  });
 }
 
 // The count held by a tensor: bumped whatever it holds (reading it could wait for the device).
-void update_running_stats_counted_autograd(const OptionalTensor& running_mean, const OptionalTensor& running_var,
-                                           const at::Tensor& mean, const at::Tensor& variance,
-                                           const at::Tensor& count, double momentum) {
-  static const auto op = typed_operator<void(const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
-                                             const at::Tensor&, const at::Tensor&, double)>(
-      "torch_bn_grad::batch_norm_update_running_stats", "counted");
-  update_below_autograd(running_mean, running_var, true,
-                        [&] { op.call(running_mean, running_var, mean, variance, count, momentum); });
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
-  m.impl("batch_norm_forward", &batch_norm_forward_autograd);
-  m.impl("batch_norm_forward.update", &batch_norm_forward_update_autograd);
-  m.impl("batch_norm_forward.frozen", &batch_norm_forward_frozen_autograd);
-  m.impl("batch_norm_update_running_stats", &update_running_stats_autograd);
-  m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted_autograd);
-}
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeImplicitAutograd, m) {
-  m.impl("batch_norm_forward_grad", &batch_norm_forward_grad);
+void batch_norm_update_running_stats_counted_autograd(TBG_PARAMS(batch_norm_update_running_stats_counted)) {
+  update_below_autograd(running_mean, running_var, true, [&] {
+    op::batch_norm_update_running_stats_counted().call(running_mean, running_var, mean, variance, count, momentum);
+  });
 }
 
 }  // namespace torch_bn_grad

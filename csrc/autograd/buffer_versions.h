@@ -3,7 +3,7 @@
 
 #include <torch/csrc/autograd/variable.h>
 
-#include "autograd/dispatch_handles.h"
+#include "library/operators.h"
 
 namespace torch_bn_grad {
 

@@ -2,8 +2,6 @@
 
 #include "autograd/channel_algebra.h"
 
-#include <torch/library.h>
-
 namespace torch_bn_grad {
 
 at::Tensor tangent_of(const std::optional<at::Tensor>& t) {
@@ -77,17 +75,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_jvp(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean_used,
-    const at::Tensor& variance_used, bool training, double epsilon, c10::string_view data_format,
-    const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,
-    const std::optional<at::Tensor>& beta_t, const std::optional<at::Tensor>& mean_t,
-    const std::optional<at::Tensor>& variance_t) {
-  return forward_jvp(src, gamma, mean_used, variance_used, training, epsilon, data_format, at::Tensor(),
-                     at::Tensor(), src_t, gamma_t, beta_t, mean_t, variance_t);
+// mean and variance: the statistics the forward used.
+Outputs3 batch_norm_forward_jvp(TBG_PARAMS(batch_norm_forward_jvp)) {
+  return forward_jvp(src, gamma, mean, variance, training, epsilon, data_format, at::Tensor(), at::Tensor(), src_t,
+                     gamma_t, beta_t, mean_t, variance_t);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_batch_norm_forward_jvp(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_jvp(
     const at::Tensor& src, const at::Tensor& valid, const at::Tensor& count, const std::optional<at::Tensor>& gamma,
     const at::Tensor& mean_used, const at::Tensor& variance_used, bool training, double epsilon,
     const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,
@@ -99,10 +93,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_batch_norm_forward_jvp(
 
 void set_tangent(const at::Tensor& output, const at::Tensor& tangent) {
   if (tangent.defined()) output._set_fw_grad(tangent, /*level=*/0, /*is_inplace_op=*/false);
-}
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeImplicitAutograd, m) {
-  m.impl("batch_norm_forward_jvp", &batch_norm_forward_jvp);
 }
 
 }  // namespace torch_bn_grad

@@ -12,6 +12,8 @@
 #include <optional>
 #include <tuple>
 
+#include "library/operators.h"
+
 namespace torch_bn_grad {
 
 // The forward-mode gradient of an optional input (undefined when it has none).
@@ -30,17 +32,12 @@ at::Tensor primal_of(const std::optional<at::Tensor>& t);
 //   frozen:   t_mean, t_variance are the given statistics' tangents
 //   t_dst = gamma (t_x - t_mean) r - gamma x_hat r^2 t_variance / 2 + t_gamma x_hat + t_beta.
 // An undefined result is a zero tangent.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_jvp(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean_used,
-    const at::Tensor& variance_used, bool training, double epsilon, c10::string_view data_format,
-    const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,
-    const std::optional<at::Tensor>& beta_t, const std::optional<at::Tensor>& mean_t,
-    const std::optional<at::Tensor>& variance_t);
+// Outputs3 batch_norm_forward_jvp(TBG_PARAMS(batch_norm_forward_jvp)): library/operators.h.
 
 // The same for batch_norm_masked_forward (NCX data): over the valid positions,
 // `valid` the mask broadcast against src, `count` their number per channel (a
 // 0-dim tensor); t_dst is 0 at padded positions, whose values are never read.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_batch_norm_forward_jvp(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_jvp(
     const at::Tensor& src, const at::Tensor& valid, const at::Tensor& count, const std::optional<at::Tensor>& gamma,
     const at::Tensor& mean_used, const at::Tensor& variance_used, bool training, double epsilon,
     const std::optional<at::Tensor>& src_t, const std::optional<at::Tensor>& gamma_t,

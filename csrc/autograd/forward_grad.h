@@ -14,17 +14,14 @@
 #include <utility>
 
 #include "autograd/channel_algebra.h"
+#include "library/operators.h"
 
 namespace torch_bn_grad {
 
 // Gradients of (dst, mean, variance) = batch_norm_forward(src, gamma, beta, ...)
 // with respect to (src, gamma, beta, mean, variance); undefined where
-// output_mask is false (csrc/autograd/batch_norm_autograd.cpp).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_grad(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& grad_dst, const std::optional<at::Tensor>& grad_mean,
-    const std::optional<at::Tensor>& grad_variance, double epsilon, c10::string_view data_format, bool training,
-    std::optional<at::ScalarType> param_dtype, std::array<bool, 5> output_mask);
+// output_mask is false (csrc/autograd/batch_norm_autograd.cpp):
+// Outputs5 batch_norm_forward_grad(TBG_PARAMS(batch_norm_forward_grad)), declared in library/operators.h.
 
 // What gradients reaching the returned batch statistics add to diff_src:
 // grad_mean / count + grad_variance * 2 (x - mean) / count, in the

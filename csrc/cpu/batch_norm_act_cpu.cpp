@@ -2,7 +2,6 @@
 // the data out as [outer, channels, inner] and run the kernels of the running
 // CPU's instruction set (cpu/kernels/act_kernel_table.h).
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
@@ -12,13 +11,10 @@
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/output_cache.h"
+#include "library/signatures.h"
 
 namespace torch_bn_grad::cpu {
 namespace {
-
-using OptionalTensor = std::optional<at::Tensor>;
-
-using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Every fused forward operator. With `sign_bits`, also the sign bits of dst
 // (cpu/kernels/sign_bits.h), empty where the kernels cannot write them for
@@ -80,40 +76,29 @@ Outputs4 act_forward(const at::Tensor& src, const OptionalTensor& gamma, const O
           kernel_channels_result(a.var, plan, stats_dtype, src), positive};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_forward_cpu(
-    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
-    const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
-    double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
+}  // namespace
+
+// memory_saving changes what autograd saves, not what the operator computes.
+Outputs3 batch_norm_act_forward_cpu(TBG_PARAMS(batch_norm_act_forward)) {
   auto [dst, mean_used, variance_used, unused] =
       act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format, false);
   return {dst, mean_used, variance_used};
 }
 
-at::Tensor batch_norm_act_forward_frozen_cpu(const at::Tensor& src, const OptionalTensor& gamma,
-                                             const OptionalTensor& beta, const at::Tensor& mean,
-                                             const at::Tensor& variance, const OptionalTensor& residual,
-                                             double epsilon, c10::string_view activation, double negative_slope,
-                                             c10::string_view data_format, bool /*memory_saving*/) {
+at::Tensor batch_norm_act_forward_frozen_cpu(TBG_PARAMS(batch_norm_act_forward_frozen)) {
   return std::get<0>(act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope,
                                  data_format, false, false));
 }
 
-Outputs4 batch_norm_act_forward_sign_bits_cpu(const at::Tensor& src, const OptionalTensor& gamma,
-                                              const OptionalTensor& beta, const OptionalTensor& mean,
-                                              const OptionalTensor& variance, const OptionalTensor& residual,
-                                              double epsilon, c10::string_view activation, double negative_slope,
-                                              c10::string_view data_format) {
+Outputs4 batch_norm_act_forward_sign_bits_cpu(TBG_PARAMS(batch_norm_act_forward_sign_bits)) {
   return act_forward(src, gamma, beta, mean, variance, residual, epsilon, activation, negative_slope, data_format,
                      true);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cpu(
-    const at::Tensor& diff_dst, const OptionalTensor& src, const OptionalTensor& dst, const OptionalTensor& residual,
-    const at::Tensor& mean, const at::Tensor& variance, const OptionalTensor& gamma, const OptionalTensor& beta,
-    double epsilon, c10::string_view activation, double negative_slope, c10::string_view data_format, bool training,
-    bool from_output, std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
-  const ActPlan checked = check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
-                                                  activation, negative_slope, data_format, from_output, dst_positive);
+Outputs4 batch_norm_act_backward_cpu(TBG_PARAMS(batch_norm_act_backward)) {
+  const ActPlan checked =
+      check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation,
+                              negative_slope, data_format, training, from_output, output_mask, dst_positive);
   const ChannelPlan& plan = checked.plan;
   const at::Tensor& data = from_output ? *dst : *src;
   ActBackwardArgs a;
@@ -161,15 +146,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   };
   return act_backward_outputs(output_mask, dx.result, param_grad(a.diff_gamma), param_grad(a.diff_beta), dz.result,
                               data, mean);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
-  m.impl("batch_norm_act_forward", &batch_norm_act_forward_cpu);
-  m.impl("batch_norm_act_forward.frozen", &batch_norm_act_forward_frozen_cpu);
-  m.impl("batch_norm_act_forward_sign_bits", &batch_norm_act_forward_sign_bits_cpu);
-  m.impl("batch_norm_act_backward", &batch_norm_act_backward_cpu);
 }
 
 }  // namespace torch_bn_grad::cpu

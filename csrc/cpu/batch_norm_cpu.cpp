@@ -3,7 +3,6 @@
 // instruction set. Per-channel values travel as float64 vectors in one host
 // buffer per call.
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -14,6 +13,7 @@
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
+#include "library/signatures.h"
 
 namespace torch_bn_grad::cpu {
 namespace {
@@ -68,23 +68,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
           kernel_channels_result(var_d, plan, stats_dtype, src)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_forward_cpu(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& variance, double epsilon,
-    c10::string_view data_format) {
+}  // namespace
+
+Outputs3 batch_norm_forward_cpu(TBG_PARAMS(batch_norm_forward)) {
   return forward(src, gamma, beta, mean, variance, epsilon, data_format, true);
 }
 
-at::Tensor batch_norm_forward_frozen_cpu(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
-                                         const std::optional<at::Tensor>& beta, const at::Tensor& mean,
-                                         const at::Tensor& variance, double epsilon, c10::string_view data_format) {
+at::Tensor batch_norm_forward_frozen_cpu(TBG_PARAMS(batch_norm_forward_frozen)) {
   return std::get<0>(forward(src, gamma, beta, mean, variance, epsilon, data_format, false));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
-    const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon,
-    c10::string_view data_format, bool training, std::array<bool, 3> output_mask) {
+Outputs3 batch_norm_backward_cpu(TBG_PARAMS(batch_norm_backward)) {
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
   const auto stats_dtype = mean.scalar_type();
@@ -113,14 +107,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cpu(
   };
   return {output_mask[0] ? out.result : at::empty({0}, src.options()), param_grad(output_mask[1], diff_gamma_d),
           param_grad(output_mask[2], diff_beta_d)};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
-  m.impl("batch_norm_forward", &batch_norm_forward_cpu);
-  m.impl("batch_norm_forward.frozen", &batch_norm_forward_frozen_cpu);
-  m.impl("batch_norm_backward", &batch_norm_backward_cpu);
 }
 
 }  // namespace torch_bn_grad::cpu

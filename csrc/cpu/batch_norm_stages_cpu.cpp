@@ -1,26 +1,25 @@
-// CPU implementations of the split-stage operators (see ops.cpp): the
+// CPU implementations of the split-stage operators (see library/schemas.cpp): the
 // per-process pieces of a batch norm whose statistics span several processes,
 // and the statistics stage of the torch.compile lowering.
 // They run the same kernels as the fused operators; per-channel values are
 // float64 in logical channel order, which for 1-D statistics is also the
 // kernels' channel order.
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <limits>
 #include <tuple>
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
-#include "math/batch_norm_math.h"
 #include "cpu/aligned_array.h"
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/output_cache.h"
+#include "library/signatures.h"
+#include "math/batch_norm_math.h"
 
 namespace torch_bn_grad::cpu {
-namespace {
 
-at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view data_format) {
+at::Tensor batch_norm_local_stats_cpu(TBG_PARAMS(batch_norm_local_stats)) {
   const ChannelPlan plan = check_local_stats_args(src, data_format);
   const int64_t count = plan.reduced_count();
   at::Tensor stats = at::zeros({3, plan.channels}, src.options().dtype(at::kDouble));
@@ -32,6 +31,8 @@ at::Tensor batch_norm_local_stats_cpu(const at::Tensor& src, c10::string_view da
   }
   return stats;
 }
+
+namespace {
 
 // The per-channel vectors are computed in float64 and rounded once to the
 // accumulation type A, exactly as the forward kernel's coefficients are.
@@ -48,9 +49,9 @@ void stats_affine_channels(const ChannelPlan& plan, const double* gamma, const d
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affine_cpu(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-    double epsilon, c10::string_view data_format) {
+}  // namespace
+
+Outputs4 batch_norm_stats_affine_cpu(TBG_PARAMS(batch_norm_stats_affine)) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
   const int64_t C = plan.channels;
   // Per-channel float64 vectors: gamma, beta, mean, variance (m2 until finished), scale, bias.
@@ -72,8 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
   return {result(mean_d), result(var_d), result(scale_d), result(bias_d)};
 }
 
-at::Tensor batch_norm_grad_sums_cpu(const at::Tensor& src, const at::Tensor& diff_dst,
-                                    const at::Tensor& mean, c10::string_view data_format) {
+at::Tensor batch_norm_grad_sums_cpu(TBG_PARAMS(batch_norm_grad_sums)) {
   const ChannelPlan plan = check_grad_sums_args(src, diff_dst, mean, data_format);
   at::Tensor sums = at::zeros({2, plan.channels}, src.options().dtype(at::kDouble));
   if (plan.reduced_count() > 0 && plan.channels > 0) {
@@ -85,11 +85,7 @@ at::Tensor batch_norm_grad_sums_cpu(const at::Tensor& src, const at::Tensor& dif
   return sums;
 }
 
-at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& diff_dst,
-                                     const at::Tensor& mean, const at::Tensor& variance,
-                                     const std::optional<at::Tensor>& gamma, const at::Tensor& count,
-                                     const at::Tensor& grad_sums, double epsilon,
-                                     c10::string_view data_format) {
+at::Tensor batch_norm_grad_input_cpu(TBG_PARAMS(batch_norm_grad_input)) {
   const ChannelPlan plan =
       check_grad_input_args(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format);
   KernelOutput out = make_kernel_output(src, plan, output_allocator());
@@ -106,15 +102,6 @@ at::Tensor batch_norm_grad_input_cpu(const at::Tensor& src, const at::Tensor& di
                             epsilon);
   finish_kernel_output(out, plan);
   return out.result;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
-  m.impl("batch_norm_local_stats", &batch_norm_local_stats_cpu);
-  m.impl("batch_norm_stats_affine", &batch_norm_stats_affine_cpu);
-  m.impl("batch_norm_grad_sums", &batch_norm_grad_sums_cpu);
-  m.impl("batch_norm_grad_input", &batch_norm_grad_input_cpu);
 }
 
 }  // namespace torch_bn_grad::cpu

@@ -11,24 +11,22 @@
 #include <ATen/ops/rsqrt.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
 
 #include "dtypes.h"
-#include "math/activation_math.h"
 #include "args/batch_norm_args.h"
-#include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/epilogue.cuh"
 #include "cuda/forward.cuh"
 #include "cuda/launch.cuh"
+#include "library/signatures.h"
+#include "math/activation_math.h"
+#include "math/batch_norm_math.h"
 
 namespace torch_bn_grad::cuda {
 namespace {
-
-using OptionalTensor = std::optional<at::Tensor>;
 
 template <typename T>
 const T* data_or_null(const at::Tensor& t) {
@@ -50,10 +48,10 @@ void frozen_forward_coefficients(ChannelIn mean, ChannelIn variance, ChannelIn g
   forward_coefficients(args);
 }
 
-ForwardResult batch_norm_act_forward_cuda(
-    const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta, const OptionalTensor& mean,
-    const OptionalTensor& variance, const OptionalTensor& residual, double epsilon, c10::string_view activation,
-    double negative_slope, c10::string_view data_format, bool /*memory_saving: autograd's business*/) {
+}  // namespace
+
+// memory_saving changes what autograd saves, not what the operator computes.
+Outputs3 batch_norm_act_forward_cuda(TBG_PARAMS(batch_norm_act_forward)) {
   const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
                                                  negative_slope, data_format);
   const at::Tensor r = to_kernel_layout(residual, checked.plan);
@@ -68,13 +66,10 @@ ForwardResult batch_norm_act_forward_cuda(
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward_cuda(
-    const at::Tensor& diff_dst, const OptionalTensor& src, const OptionalTensor& dst, const OptionalTensor& residual,
-    const at::Tensor& mean, const at::Tensor& variance, const OptionalTensor& gamma, const OptionalTensor& beta,
-    double epsilon, c10::string_view activation, double negative_slope, c10::string_view data_format, bool training,
-    bool from_output, std::array<bool, 4> output_mask, const OptionalTensor& dst_positive) {
-  const ActPlan checked = check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon,
-                                                  activation, negative_slope, data_format, from_output, dst_positive);
+Outputs4 batch_norm_act_backward_cuda(TBG_PARAMS(batch_norm_act_backward)) {
+  const ActPlan checked =
+      check_act_backward_args(diff_dst, src, dst, residual, mean, variance, gamma, beta, epsilon, activation,
+                              negative_slope, data_format, training, from_output, output_mask, dst_positive);
   TORCH_CHECK_NOT_IMPLEMENTED(!checked.reads_sign_bits,
                               "batch_norm_act_backward: dst_positive (sign bits) is CPU only; pass dst on CUDA");
   const ChannelPlan& plan = checked.plan;
@@ -184,13 +179,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backwa
   };
   return act_backward_outputs(output_mask, dx.result, param_grad(output_mask[1], dg), param_grad(output_mask[2], db),
                               dz.result, data, mean);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
-  m.impl("batch_norm_act_forward", &batch_norm_act_forward_cuda);
-  m.impl("batch_norm_act_backward", &batch_norm_act_backward_cuda);
 }
 
 }  // namespace torch_bn_grad::cuda

@@ -10,34 +10,27 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
-#include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/forward.cuh"
 #include "cuda/launch.cuh"
+#include "library/signatures.h"
+#include "math/batch_norm_math.h"
 
 namespace torch_bn_grad::cuda {
-namespace {
 
-ForwardResult batch_norm_forward_cuda(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
-                                      const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
-                                      const std::optional<at::Tensor>& variance, double epsilon,
-                                      c10::string_view data_format) {
+Outputs3 batch_norm_forward_cuda(TBG_PARAMS(batch_norm_forward)) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
   return forward_cuda(plan, src, gamma, beta, mean, variance, epsilon,
                       [](auto, const auto& run) { run(PlainEpilogue{}); });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
-    const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon,
-    c10::string_view data_format, bool training, std::array<bool, 3> output_mask) {
+Outputs3 batch_norm_backward_cuda(TBG_PARAMS(batch_norm_backward)) {
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
@@ -89,13 +82,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(
   return {output_mask[0] ? out.result : at::empty({0}, src.options()),
           output_mask[1] ? dg.finish(plan, stats_dtype, src) : at::empty({0}, mean.options()),
           output_mask[2] ? db.finish(plan, stats_dtype, src) : at::empty({0}, mean.options())};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
-  m.impl("batch_norm_forward", &batch_norm_forward_cuda);
-  m.impl("batch_norm_backward", &batch_norm_backward_cuda);
 }
 
 }  // namespace torch_bn_grad::cuda

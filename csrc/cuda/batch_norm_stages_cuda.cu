@@ -1,5 +1,5 @@
 // CUDA implementations of the split-stage operators and of the compile
-// lowering's statistics stage (see ops.cpp), like
+// lowering's statistics stage (see library/schemas.cpp), like
 // csrc/cpu/batch_norm_stages_cpu.cpp: the same partial reductions and
 // elementwise pass as the fused operators, with the per-channel rows written
 // as float64 and the coefficients derived on the device from tensors (no host
@@ -8,7 +8,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
@@ -16,15 +15,15 @@
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
-#include "math/batch_norm_math.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/launch.cuh"
+#include "library/signatures.h"
+#include "math/batch_norm_math.h"
 #include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
-namespace {
 
-at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view data_format) {
+at::Tensor batch_norm_local_stats_cuda(TBG_PARAMS(batch_norm_local_stats)) {
   const ChannelPlan plan = check_local_stats_args(src, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
   const Extent e = plan.extent();
@@ -44,9 +43,7 @@ at::Tensor batch_norm_local_stats_cuda(const at::Tensor& src, c10::string_view d
 
 // batch_norm_forward's statistics and coefficients without its elementwise
 // pass: the same partials and forward_coefficients_kernel.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affine_cuda(
-    const at::Tensor& src, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-    double epsilon, c10::string_view data_format) {
+Outputs4 batch_norm_stats_affine_cuda(TBG_PARAMS(batch_norm_stats_affine)) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
   const auto acc = accumulation_dtype(src.scalar_type());
@@ -80,8 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_stats_affi
   return {result(mean_k), result(var_k), result(x_scale), result(bias)};
 }
 
-at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
-                                     c10::string_view data_format) {
+at::Tensor batch_norm_grad_sums_cuda(TBG_PARAMS(batch_norm_grad_sums)) {
   const ChannelPlan plan = check_grad_sums_args(src, diff_dst, mean, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
   const Extent e = plan.extent();
@@ -105,10 +101,7 @@ at::Tensor batch_norm_grad_sums_cuda(const at::Tensor& src, const at::Tensor& di
   return rows;
 }
 
-at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& diff_dst, const at::Tensor& mean,
-                                      const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
-                                      const at::Tensor& count, const at::Tensor& grad_sums, double epsilon,
-                                      c10::string_view data_format) {
+at::Tensor batch_norm_grad_input_cuda(TBG_PARAMS(batch_norm_grad_input)) {
   const ChannelPlan plan =
       check_grad_input_args(src, diff_dst, mean, variance, gamma, count, grad_sums, epsilon, data_format);
   const c10::cuda::CUDAGuard guard(src.device());
@@ -139,15 +132,6 @@ at::Tensor batch_norm_grad_input_cuda(const at::Tensor& src, const at::Tensor& d
   });
   finish_kernel_output(out, plan);
   return out.result;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
-  m.impl("batch_norm_local_stats", &batch_norm_local_stats_cuda);
-  m.impl("batch_norm_stats_affine", &batch_norm_stats_affine_cuda);
-  m.impl("batch_norm_grad_sums", &batch_norm_grad_sums_cuda);
-  m.impl("batch_norm_grad_input", &batch_norm_grad_input_cuda);
 }
 
 }  // namespace torch_bn_grad::cuda

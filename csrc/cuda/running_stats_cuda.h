@@ -1,8 +1,8 @@
 // The running-statistics update on a GPU in one kernel (the ATen route takes
 // three, five for half-precision buffers: a lerp each, the variance's Bessel
 // product and the casts). Called by
-// running_stats.cpp, the one home of the update's rules, when its tensors
-// qualify (running_stats.cpp: one_cuda_kernel_applies).
+// composite/running_stats.cpp, the one home of the update's rules, when its tensors
+// qualify (composite/running_stats.cpp: one_cuda_kernel_applies).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -19,11 +19,10 @@ def _touch(root, *paths: str) -> None:
 
 
 def test_a_new_folder_is_built(tmp_path):
-    _touch(tmp_path, "csrc/ops.cpp", "csrc/new_feature/thing.cpp", "csrc/new_feature/deeper/more.cpp",
+    _touch(tmp_path, "csrc/library/schemas.cpp", "csrc/new_feature/thing.cpp", "csrc/new_feature/deeper/more.cpp",
            "csrc/cpu/kernels/k.cpp", "csrc/cpu/kernels/k.h", "csrc/cuda/c.cu", "csrc/cuda/new/d.cu", "csrc/a.h")
     assert build_sources.generic_sources(str(tmp_path)) == [
-        "csrc/new_feature/deeper/more.cpp", "csrc/new_feature/thing.cpp",
-        "csrc/ops.cpp"]
+        "csrc/library/schemas.cpp", "csrc/new_feature/deeper/more.cpp", "csrc/new_feature/thing.cpp"]
     assert build_sources.kernel_sources(str(tmp_path)) == ["csrc/cpu/kernels/k.cpp"]
     assert build_sources.cuda_sources(str(tmp_path)) == ["csrc/cuda/c.cu", "csrc/cuda/new/d.cu"]
     assert "csrc/a.h" in build_sources.dependencies(str(tmp_path))
@@ -37,4 +36,4 @@ def test_every_source_of_the_checkout_is_built_once():
                      for name in names if name.endswith((".cpp", ".cu")))
     assert sorted(generic + kernels + cuda) == on_disk
     assert not set(generic) & set(kernels)
-    assert "csrc/ops.cpp" in generic and kernels and cuda
+    assert "csrc/library/schemas.cpp" in generic and kernels and cuda

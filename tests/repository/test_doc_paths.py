@@ -9,7 +9,7 @@ the repository's top-level folders (``csrc/...``, ``tests/...``, ...) or that
 ends in a source or document suffix (``cpu/kernels/partition.h``), including
 ``../`` links, globs (``tests/masked/test_*.py``) and the pair form
 (``cpu/environment.h/.cpp``); or a bare file name with such a suffix
-(``ops.cpp``). A path resolves against the repository root, the naming file's
+(``schemas.cpp``). A path resolves against the repository root, the naming file's
 folder, ``csrc/`` (the folder C++ includes start from) or ``torch_bn_grad/``
 (the package's modules name each other from there: ``_forward/plain.py``); a
 bare name resolves when some tracked file has it.
@@ -145,7 +145,7 @@ def test_every_named_path_exists():
 
 def test_the_scan_finds_a_stale_path_and_takes_real_ones(tmp_path):
     # The scanner itself: a stale path in a comment is reported, real ones are not.
-    names = [(1, "# see csrc/ops.cpp and cpu/kernels/partition.h, ../docs/api.md, tests/*/test_*.py")]
+    names = [(1, "# see csrc/library/schemas.cpp and cpu/kernels/partition.h, ../docs/api.md, tests/*/test_*.py")]
     assert all(_resolves(p, "tests") for _, text in names for t in _TOKEN.findall(text)
                for p in _spellings(t.rstrip(".,:;")) if _is_path(t))
     for stale in ("csrc/no_such_file.h", "cuda/no_such_kernels.cuh", "no_such_module.py", "docs/no_such.md"):

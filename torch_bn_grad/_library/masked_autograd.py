@@ -3,13 +3,13 @@
 their fake implementations: ``_library/fake.py``).
 
 The forward's gradient is the backward operator, recorded by a C++ Autograd
-kernel (``csrc/autograd/masked_autograd.cpp``; padded positions get 0 and are
+kernel (``csrc/autograd/batch_norm_masked_autograd.cpp``; padded positions get 0 and are
 never read), and so is the fused forward's (``batch_norm_masked_act_forward``,
 through ``batch_norm_masked_act_backward``; under double backward its gate in
 differentiable ops, then the backward operator). The backward's own gradient is ``_autograd.backward_backward``
 over the valid positions, made of differentiable torch operators, so that
 gradients of any order flow. Forward-mode AD of both forwards is C++'s too
-(``masked_batch_norm_forward_jvp``); a backward after a forward with tangents
+(``batch_norm_masked_forward_jvp``); a backward after a forward with tangents
 (forward over reverse) is not provided.
 """
 

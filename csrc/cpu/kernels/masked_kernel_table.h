@@ -1,6 +1,6 @@
 // The masked CPU kernels' interface (batch_norm_masked_*, see
-// cpu/masked_batch_norm_cpu.cpp). Compiled once per instruction set like the
-// plain kernels (masked_kernels.cpp); `masked_kernel_table()` returns the copy
+// cpu/batch_norm_masked_cpu.cpp). Compiled once per instruction set like the
+// plain kernels (batch_norm_masked_kernels.cpp); `masked_kernel_table()` returns the copy
 // that runs.
 //
 // The data is a contiguous [outer, channels, inner] array (Extent) in one of

@@ -1,4 +1,4 @@
-// The masked kernels' per-channel sums (masked_kernels.cpp): over spans of
+// The masked kernels' per-channel sums (batch_norm_masked_kernels.cpp): over spans of
 // one channel's valid values (planes form), and over valid rows of channels
 // (rows form) in blocks merged in block order. Included by the per-ISA
 // kernel source only (see vec_io.h).

@@ -1,20 +1,20 @@
 // CPU masked operators (batch_norm_masked_forward / _backward, and the fused
 // batch_norm_masked_act_forward / _backward): check, lay
 // the data out (masked_layout.h), find the valid positions once, then the
-// masked kernels (cpu/kernels/masked_kernels.cpp), handing them the
+// masked kernels (cpu/kernels/batch_norm_masked_kernels.cpp), handing them the
 // per-channel formulas of batch_norm_math.h in float64 as their finish.
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <string>
 #include <vector>
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
-#include "math/batch_norm_math.h"
+#include "args/masked_layout.h"
 #include "cpu/kernels/masked_kernel_table.h"
 #include "cpu/output_cache.h"
-#include "args/masked_layout.h"
+#include "library/signatures.h"
+#include "math/batch_norm_math.h"
 
 namespace torch_bn_grad::cpu {
 
@@ -131,28 +131,6 @@ ForwardResult masked_forward(const ChannelPlan& plan, const at::Tensor& src, con
           kernel_channels_result(k.variance.data(), plan, stats_dtype, src), count_tensor(valid.count)};
 }
 
-ForwardResult batch_norm_masked_forward_cpu(const at::Tensor& src, const at::Tensor& mask,
-                                            const std::optional<at::Tensor>& gamma,
-                                            const std::optional<at::Tensor>& beta,
-                                            const std::optional<at::Tensor>& mean,
-                                            const std::optional<at::Tensor>& variance, double epsilon) {
-  const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
-  return masked_forward(plan, src, mask, gamma, beta, mean, variance, epsilon, std::nullopt, act::Kind::identity,
-                        0.0);
-}
-
-ForwardResult batch_norm_masked_act_forward_cpu(const at::Tensor& src, const at::Tensor& mask,
-                                                const std::optional<at::Tensor>& gamma,
-                                                const std::optional<at::Tensor>& beta,
-                                                const std::optional<at::Tensor>& mean,
-                                                const std::optional<at::Tensor>& variance,
-                                                const std::optional<at::Tensor>& residual, double epsilon,
-                                                c10::string_view activation, double negative_slope) {
-  const ActPlan p = check_masked_act_forward_args(src, mask, gamma, beta, mean, variance, residual, epsilon,
-                                                  activation, negative_slope);
-  return masked_forward(p.plan, src, mask, gamma, beta, mean, variance, epsilon, residual, p.kind, negative_slope);
-}
-
 // Both backward operators past their gate: the sums of dy (in `layout`'s
 // form, src's) over the valid positions and the pass into diff_src.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_backward(
@@ -195,10 +173,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_backward(
                          : at::empty({0}, mean.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
-    const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
-    std::array<bool, 3> output_mask) {
+}  // namespace
+
+Outputs4 batch_norm_masked_forward_cpu(TBG_PARAMS(batch_norm_masked_forward)) {
+  const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
+  return masked_forward(plan, src, mask, gamma, beta, mean, variance, epsilon, std::nullopt, act::Kind::identity,
+                        0.0);
+}
+
+Outputs4 batch_norm_masked_act_forward_cpu(TBG_PARAMS(batch_norm_masked_act_forward)) {
+  const ActPlan p = check_masked_act_forward_args(src, mask, gamma, beta, mean, variance, residual, epsilon,
+                                                  activation, negative_slope);
+  return masked_forward(p.plan, src, mask, gamma, beta, mean, variance, epsilon, residual, p.kind, negative_slope);
+}
+
+Outputs3 batch_norm_masked_backward_cpu(TBG_PARAMS(batch_norm_masked_backward)) {
   const ChannelPlan plan = check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
   const MaskedLayout layout = masked_layout(src);
   const ValidPositions valid = valid_positions(mask, layout);
@@ -208,12 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cpu(
 
 // The fused backward: dz = diff_dst * act'(z) at valid positions, 0 at padded
 // ones (which is also diff_residual), then the plain backward on dz.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_act_backward_cpu(
-    const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& dst,
-    const std::optional<at::Tensor>& residual, const at::Tensor& diff_dst, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
-    double epsilon, c10::string_view activation, double negative_slope, bool training,
-    std::array<bool, 4> output_mask) {
+Outputs4 batch_norm_masked_act_backward_cpu(TBG_PARAMS(batch_norm_masked_act_backward)) {
   const ActPlan p = check_masked_act_backward_args(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta,
                                                    epsilon, activation, negative_slope);
   const MaskedLayout layout = masked_layout(src);
@@ -234,15 +218,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_act
       p.plan, src, layout, valid, dz, mean, variance, gamma, epsilon, training,
       {output_mask[0], output_mask[1], output_mask[2]});
   return {diff_src, diff_gamma, diff_beta, output_mask[3] ? dz : at::empty({0}, src.options())};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CPU, m) {
-  m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_cpu);
-  m.impl("batch_norm_masked_backward", &batch_norm_masked_backward_cpu);
-  m.impl("batch_norm_masked_act_forward", &batch_norm_masked_act_forward_cpu);
-  m.impl("batch_norm_masked_act_backward", &batch_norm_masked_act_backward_cpu);
 }
 
 }  // namespace torch_bn_grad::cpu

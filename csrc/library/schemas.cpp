@@ -1,127 +1,6 @@
-// The operator schemas (one TORCH_LIBRARY block for every backend) and the
-// Python module that loads them.
-#include <Python.h>
-#include <c10/util/Exception.h>
+// The operator schemas: the one TORCH_LIBRARY block, for every backend. Each
+// operator's C++ signature and kernels: library/operators.h.
 #include <torch/library.h>
-
-#include <exception>
-#include <limits>
-
-#include "module_functions.h"
-
-namespace {
-
-// Runs f, a module function's body, turning a C++ exception into the Python
-// one it stands for (a bad environment setting is a ValueError) instead of
-// letting it unwind through the interpreter, which would abort the process.
-template <typename F>
-PyObject* raising_python_errors(const F& f) {
-  try {
-    return f();
-  } catch (const c10::ValueError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
-}
-
-// `torch_bn_grad._C.cpu_kernel_isa()`: which compiled copy of the CPU kernels runs.
-PyObject* cpu_kernel_isa(PyObject*, PyObject*) {
-  return PyUnicode_FromString(torch_bn_grad::cpu_kernel_isa());
-}
-
-// `torch_bn_grad._C.compiled_cpu_kernel_isas()`: the compiled copies, comma-separated.
-PyObject* compiled_cpu_kernel_isas(PyObject*, PyObject*) {
-  return PyUnicode_FromString(torch_bn_grad::compiled_cpu_kernel_isas());
-}
-
-// `cpu_channel_runs_min_pass_bytes()`: from which pass size (bytes of its operands) the CPU forward and
-// backward run in channel runs, as a dict; None: never.
-PyObject* cpu_channel_runs_min_pass_bytes(PyObject*, PyObject*) {
-  return raising_python_errors([]() -> PyObject* {
-    const auto t = torch_bn_grad::cpu_channel_runs_min_pass_bytes();
-    auto value = [](int64_t bytes) -> PyObject* {
-      if (bytes == std::numeric_limits<int64_t>::max()) Py_RETURN_NONE;
-      return PyLong_FromLongLong(static_cast<long long>(bytes));
-    };
-    PyObject* forward = value(t.forward_bytes);
-    PyObject* backward = value(t.backward_bytes);
-    PyObject* dict = Py_BuildValue("{sOsO}", "forward", forward, "backward", backward);
-    Py_XDECREF(forward);
-    Py_XDECREF(backward);
-    return dict;
-  });
-}
-
-// `output_cache_info()`: the CPU output cache's counters, as a dict.
-PyObject* output_cache_info(PyObject*, PyObject*) {
-  return raising_python_errors([] {
-    const auto s = torch_bn_grad::output_cache_stats();
-    return Py_BuildValue("{sLsLsLsLsL}", "limit_bytes", static_cast<long long>(s.limit_bytes), "idle_bytes",
-                         static_cast<long long>(s.idle_bytes), "idle_blocks", static_cast<long long>(s.idle_blocks),
-                         "hits", static_cast<long long>(s.hits), "misses", static_cast<long long>(s.misses));
-  });
-}
-
-PyObject* set_output_cache_limit(PyObject*, PyObject* arg) {
-  const long long bytes = PyLong_AsLongLong(arg);
-  if (bytes == -1 && PyErr_Occurred()) return nullptr;
-  if (bytes < 0) {
-    PyErr_Format(PyExc_ValueError, "set_output_cache_limit: expected nbytes >= 0, got %lld", bytes);
-    return nullptr;
-  }
-  return raising_python_errors([bytes]() -> PyObject* {
-    torch_bn_grad::set_output_cache_limit(bytes);
-    Py_RETURN_NONE;
-  });
-}
-
-PyObject* empty_output_cache(PyObject*, PyObject*) {
-  return raising_python_errors([]() -> PyObject* {
-    torch_bn_grad::empty_output_cache();
-    Py_RETURN_NONE;
-  });
-}
-
-// `register_python_autograd(op_name, record)`: see module_functions.h.
-PyObject* register_python_autograd(PyObject*, PyObject* args) {
-  const char* op_name = nullptr;
-  PyObject* record = nullptr;
-  if (!PyArg_ParseTuple(args, "sO:register_python_autograd", &op_name, &record)) return nullptr;
-  if (!PyCallable_Check(record)) {
-    PyErr_Format(PyExc_TypeError, "register_python_autograd: expected a callable record, got %s",
-                 Py_TYPE(record)->tp_name);
-    return nullptr;
-  }
-  return raising_python_errors([&]() -> PyObject* {
-    torch_bn_grad::register_python_autograd(op_name, record);
-    Py_RETURN_NONE;
-  });
-}
-
-PyMethodDef methods[] = {
-    {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
-     "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
-    {"compiled_cpu_kernel_isas", compiled_cpu_kernel_isas, METH_NOARGS,
-     "Instruction sets the CPU kernels were compiled for, comma-separated."},
-    {"cpu_channel_runs_min_pass_bytes", cpu_channel_runs_min_pass_bytes, METH_NOARGS,
-     "Smallest forward and backward passes (bytes of their operands) the CPU kernels run in channel runs."},
-    {"output_cache_info", output_cache_info, METH_NOARGS, "Counters of the CPU output cache."},
-    {"set_output_cache_limit", set_output_cache_limit, METH_O, "Most idle bytes the CPU output cache keeps."},
-    {"empty_output_cache", empty_output_cache, METH_NOARGS, "Frees the CPU output cache's idle blocks."},
-    {"register_python_autograd", register_python_autograd, METH_VARARGS,
-     "Autograd kernel of an operator: below autograd in C++ when nothing is recorded, else a Python callable."},
-    {nullptr, nullptr, 0, nullptr}};
-
-}  // namespace
-
-extern "C" PyObject* PyInit__C() {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
-  return PyModule_Create(&module);
-}
 
 // Masked outputs of batch_norm_backward come back as empty tensors (the Python
 // wrapper turns them into None), so every return is a plain Tensor.
@@ -202,7 +81,7 @@ TORCH_LIBRARY(torch_bn_grad, m) {
       {at::Tag::flexible_layout});
   // torch BatchNorm's running-statistics update in place, with momentum and
   // the unbiased variance of `count` elements per channel (count 0: no
-  // change); one call for eager training steps (csrc/running_stats.cpp).
+  // change); one call for eager training steps (csrc/composite/running_stats.cpp).
   m.def(
       "batch_norm_update_running_stats(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor mean, "
       "Tensor variance, int count, float momentum) -> ()");
@@ -213,14 +92,14 @@ TORCH_LIBRARY(torch_bn_grad, m) {
   // batch_norm_forward with batch statistics that then updates the running
   // statistics with them, as batch_norm_update_running_stats does with the
   // elements per channel as count: an eager training step's forward in one
-  // call from Python (csrc/running_stats.cpp).
+  // call from Python (csrc/composite/running_stats.cpp).
   m.def(
       "batch_norm_forward.update(Tensor src, Tensor? gamma, Tensor? beta, Tensor(a!)? running_mean, "
       "Tensor(b!)? running_var, float momentum, float epsilon, str data_format) "
       "-> (Tensor dst, Tensor mean, Tensor variance)",
       {at::Tag::flexible_layout});
   // batch_norm_forward with frozen statistics, returning dst alone (no copies
-  // of the given statistics): an eager eval step's call (csrc/frozen_forward.cpp).
+  // of the given statistics): an eager eval step's call (csrc/composite/frozen_forward.cpp).
   m.def(
       "batch_norm_forward.frozen(Tensor src, Tensor? gamma, Tensor? beta, Tensor mean, Tensor variance, "
       "float epsilon, str data_format) -> Tensor dst",

@@ -15,7 +15,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
@@ -23,10 +22,11 @@
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
-#include "math/batch_norm_math.h"
-#include "math/compensated.h"
 #include "args/masked_layout.h"
 #include "cuda/channel_values.cuh"
+#include "library/signatures.h"
+#include "math/batch_norm_math.h"
+#include "math/compensated.h"
 
 namespace torch_bn_grad::cuda {
 namespace {
@@ -220,10 +220,9 @@ void run_masked_pass(const MaskedLayout& layout, const at::Tensor& valid, const 
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_forward_cuda(
-    const at::Tensor& src, const at::Tensor& mask, const std::optional<at::Tensor>& gamma,
-    const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
-    const std::optional<at::Tensor>& variance, double epsilon) {
+}  // namespace
+
+Outputs4 batch_norm_masked_forward_cuda(TBG_PARAMS(batch_norm_masked_forward)) {
   const ChannelPlan plan = check_masked_forward_args(src, mask, gamma, beta, mean, variance, epsilon);
   const c10::cuda::CUDAGuard guard(src.device());
   const MaskedLayout layout = masked_layout(src);
@@ -249,10 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_for
   return {dst, batch_mean.finish(plan, stats_dtype, src), batch_var.finish(plan, stats_dtype, src), count};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cuda(
-    const at::Tensor& src, const at::Tensor& mask, const at::Tensor& diff_dst, const at::Tensor& mean,
-    const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon, bool training,
-    std::array<bool, 3> output_mask) {
+Outputs3 batch_norm_masked_backward_cuda(TBG_PARAMS(batch_norm_masked_backward)) {
   const ChannelPlan plan = check_masked_backward_args(src, mask, diff_dst, mean, variance, gamma, epsilon);
   const c10::cuda::CUDAGuard guard(src.device());
   const MaskedLayout layout = masked_layout(src);
@@ -274,13 +270,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_masked_backward_cuda(
   const auto absent = [&] { return at::empty({0}, mean.options()); };
   return {diff_src, output_mask[1] ? diff_gamma.finish(plan, stats_dtype, src) : absent(),
           output_mask[2] ? diff_beta.finish(plan, stats_dtype, src) : absent()};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, CUDA, m) {
-  m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_cuda);
-  m.impl("batch_norm_masked_backward", &batch_norm_masked_backward_cuda);
 }
 
 }  // namespace torch_bn_grad::cuda

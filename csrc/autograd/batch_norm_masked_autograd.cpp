@@ -8,7 +8,7 @@
 // fused forward's gradient is the fused backward operator (its gate, then the
 // same sums); under double backward its gate is times_act_grad's (act_grad.h)
 // in differentiable ops, then the masked backward operator.
-// Forward-mode AD: masked_batch_norm_forward_jvp (forward_ad.h), and the
+// Forward-mode AD: batch_norm_masked_forward_jvp (forward_ad.h), and the
 // fused operator's gate on it; a backward that follows a forward with
 // tangents (forward over reverse) is not provided.
 #include <ATen/ATen.h>
@@ -16,7 +16,6 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/library.h>
 
 #include <array>
 #include <optional>
@@ -27,46 +26,15 @@
 #include "autograd/autograd_node.h"
 #include "autograd/backward_refusal.h"
 #include "autograd/channel_algebra.h"
-#include "autograd/dispatch_handles.h"
 #include "autograd/forward_ad.h"
 #include "autograd/forward_grad.h"
+#include "library/operators.h"
 
 namespace torch_bn_grad {
 namespace {
 
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-
-const auto& masked_forward_op() {
-  static const auto op = typed_operator<Outputs4(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                                 const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-                                                 double)>("torch_bn_grad::batch_norm_masked_forward");
-  return op;
-}
-
-const auto& masked_backward_op() {
-  static const auto op =
-      typed_operator<Outputs3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const OptionalTensor&, double, bool, std::array<bool, 3>)>(
-          "torch_bn_grad::batch_norm_masked_backward");
-  return op;
-}
-
-const auto& masked_act_forward_op() {
-  static const auto op = typed_operator<Outputs4(
-      const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,
-      const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double)>(
-      "torch_bn_grad::batch_norm_masked_act_forward");
-  return op;
-}
-
-const auto& masked_act_backward_op() {
-  static const auto op = typed_operator<Outputs4(
-      const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
-      const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double, c10::string_view,
-      double, bool, std::array<bool, 4>)>("torch_bn_grad::batch_norm_masked_act_backward");
-  return op;
-}
 
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
@@ -112,19 +80,19 @@ struct MaskedForwardNode : public torch::autograd::Node {
       const OptionalTensor g_stats = g.defined() ? OptionalTensor(to_dtype(g, m.scalar_type())) : std::nullopt;
       at::Tensor ds, dg, db;
       if (!fused) {
-        std::tie(ds, dg, db) =
-            masked_backward_op().call(x, valid, grad_dst, m, v, g_stats, epsilon, batch_statistics, wanted);
+        std::tie(ds, dg, db) = op::batch_norm_masked_backward().call(x, valid, grad_dst, m, v, g_stats, epsilon,
+                                                                     batch_statistics, wanted);
       } else {
         const at::Tensor b = beta.unpack(self), y = dst.unpack(self), r = residual.unpack(self);
         const OptionalTensor b_stats = b.defined() ? OptionalTensor(to_dtype(b, m.scalar_type())) : std::nullopt;
         if (at::GradMode::is_enabled()) {  // double backward: a gate in differentiable ops
           const at::Tensor dz = times_act_grad(grad_dst, {activation, slope, epsilon, "NCX"}, x, y, r, m, v,
                                                or_undefined(g_stats), or_undefined(b_stats));
-          std::tie(ds, dg, db) =
-              masked_backward_op().call(x, valid, dz, m, v, g_stats, epsilon, batch_statistics, wanted);
+          std::tie(ds, dg, db) = op::batch_norm_masked_backward().call(x, valid, dz, m, v, g_stats, epsilon,
+                                                                       batch_statistics, wanted);
           if (needs[6]) diff_residual = at::where(valid.unsqueeze(1), dz, 0);
         } else {
-          std::tie(ds, dg, db, diff_residual) = masked_act_backward_op().call(
+          std::tie(ds, dg, db, diff_residual) = op::batch_norm_masked_act_backward().call(
               x, valid, optional(y), optional(r), grad_dst, m, v, g_stats, b_stats, epsilon, activation, slope,
               batch_statistics, {wanted[0], wanted[1], wanted[2], needs[6]});
         }
@@ -172,7 +140,7 @@ void set_masked_forward_tangents(const Outputs4& outputs, const at::Tensor& src,
                                  const ActArgs& args) {
   const auto& [dst, mean_used, variance_used, count] = outputs;
   const at::Tensor valid = mask.unsqueeze(1);
-  auto [t_dst, t_mean, t_variance] = masked_batch_norm_forward_jvp(
+  auto [t_dst, t_mean, t_variance] = batch_norm_masked_forward_jvp(
       src, valid, count, gamma, mean_used, variance_used, !given(mean), args.epsilon, tangent_of(src),
       tangent_of(gamma), tangent_of(beta), tangent_of(mean), tangent_of(variance));
   if (residual) {
@@ -246,50 +214,32 @@ Outputs4 masked_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
   return outputs;
 }
 
-Outputs4 batch_norm_masked_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
-                                            const OptionalTensor& gamma, const OptionalTensor& beta,
-                                            const OptionalTensor& mean, const OptionalTensor& variance,
-                                            double epsilon) {
-  return masked_forward_autograd(src, mask, gamma, beta, mean, variance, nullptr,
-                                 epsilon, "identity", 0.0, [&] {
-                                   return masked_forward_op().call(src, mask, gamma, beta, mean, variance, epsilon);
+}  // namespace
+
+Outputs4 batch_norm_masked_forward_autograd(TBG_PARAMS(batch_norm_masked_forward)) {
+  return masked_forward_autograd(src, mask, gamma, beta, mean, variance, nullptr, epsilon, "identity", 0.0, [&] {
+    return op::batch_norm_masked_forward().call(src, mask, gamma, beta, mean, variance, epsilon);
+  });
+}
+
+Outputs4 batch_norm_masked_act_forward_autograd(TBG_PARAMS(batch_norm_masked_act_forward)) {
+  return masked_forward_autograd(src, mask, gamma, beta, mean, variance, &residual, epsilon, activation,
+                                 negative_slope, [&] {
+                                   return op::batch_norm_masked_act_forward().call(
+                                       src, mask, gamma, beta, mean, variance, residual, epsilon, activation,
+                                       negative_slope);
                                  });
 }
 
-Outputs4 batch_norm_masked_act_forward_autograd(const at::Tensor& src, const at::Tensor& mask,
-                                                const OptionalTensor& gamma, const OptionalTensor& beta,
-                                                const OptionalTensor& mean, const OptionalTensor& variance,
-                                                const OptionalTensor& residual, double epsilon,
-                                                c10::string_view activation, double negative_slope) {
-  return masked_forward_autograd(src, mask, gamma, beta, mean, variance, &residual,
-                                 epsilon, activation, negative_slope, [&] {
-                                   return masked_act_forward_op().call(src, mask, gamma, beta, mean, variance,
-                                                                       residual, epsilon, activation, negative_slope);
-                                 });
-}
-
-Outputs4 batch_norm_masked_act_backward_autograd(const at::Tensor& src, const at::Tensor& mask,
-                                                 const OptionalTensor& dst, const OptionalTensor& residual,
-                                                 const at::Tensor& diff_dst, const at::Tensor& mean,
-                                                 const at::Tensor& variance, const OptionalTensor& gamma,
-                                                 const OptionalTensor& beta, double epsilon,
-                                                 c10::string_view activation, double negative_slope, bool training,
-                                                 std::array<bool, 4> output_mask) {
+Outputs4 batch_norm_masked_act_backward_autograd(TBG_PARAMS(batch_norm_masked_act_backward)) {
   return call_refusing_derivatives(
       "batch_norm_masked_act_backward", "batch_norm_masked_act_forward (or the masked BatchNormAct modules)",
       [&] {
-        return masked_act_backward_op().call(src, mask, dst, residual, diff_dst, mean, variance, gamma, beta,
-                                             epsilon, activation, negative_slope, training, output_mask);
+        return op::batch_norm_masked_act_backward().call(src, mask, dst, residual, diff_dst, mean, variance, gamma,
+                                                         beta, epsilon, activation, negative_slope, training,
+                                                         output_mask);
       },
       src, mask, dst, residual, diff_dst, mean, variance, gamma, beta);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bn_grad, Autograd, m) {
-  m.impl("batch_norm_masked_forward", &batch_norm_masked_forward_autograd);
-  m.impl("batch_norm_masked_act_forward", &batch_norm_masked_act_forward_autograd);
-  m.impl("batch_norm_masked_act_backward", &batch_norm_masked_act_backward_autograd);
 }
 
 }  // namespace torch_bn_grad

@@ -11,15 +11,13 @@
 // as at::lerp and at::mul compute it (the same roundings), so it equals the
 // Python update that torch.compile traces instead (_rules/running_stats.py).
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
-#include "autograd/operator_handles.h"
-#include "autograd/dispatch_handles.h"
+#include "library/operators.h"
 #include "cpu/kernels/kernel_table.h"
 #ifdef TORCH_BN_GRAD_WITH_CUDA
 #include "cuda/running_stats_cuda.h"
@@ -88,8 +86,9 @@ void check_one_value_per_channel(const std::optional<at::Tensor>& running_mean,
   }
 }
 
-void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
-                          const at::Tensor& mean, const at::Tensor& variance, int64_t count, double momentum) {
+}  // namespace
+
+void batch_norm_update_running_stats(TBG_PARAMS(batch_norm_update_running_stats)) {
   TORCH_CHECK_VALUE(count >= 0, "batch_norm_update_running_stats: count must be >= 0, got ", count);
   check_one_value_per_channel(running_mean, running_var, mean, variance);
   if (count == 0) return;  // torch's BatchNorm leaves the running statistics of an empty batch alone
@@ -110,15 +109,13 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
 // step waits for the device. A CPU count is read on the host; on a GPU one
 // kernel reads it there; other tensors take the tensor arithmetic of
 // _rules/running_stats.py (no update where the count is 0).
-void update_running_stats_counted(const std::optional<at::Tensor>& running_mean,
-                                  const std::optional<at::Tensor>& running_var, const at::Tensor& mean,
-                                  const at::Tensor& variance, const at::Tensor& count, double momentum) {
+void batch_norm_update_running_stats_counted(TBG_PARAMS(batch_norm_update_running_stats_counted)) {
   TORCH_CHECK_VALUE(count.dim() == 0, "batch_norm_update_running_stats: count must be a 0-dim tensor, got shape ",
                     count.sizes());
   check_one_value_per_channel(running_mean, running_var, mean, variance);
   if (count.is_cpu()) {
-    update_running_stats(running_mean, running_var, mean, variance, static_cast<int64_t>(count.item<double>()),
-                         momentum);
+    batch_norm_update_running_stats(running_mean, running_var, mean, variance,
+                                    static_cast<int64_t>(count.item<double>()), momentum);
     return;
   }
 #ifdef TORCH_BN_GRAD_WITH_CUDA
@@ -140,6 +137,8 @@ void update_running_stats_counted(const std::optional<at::Tensor>& running_mean,
   }
 }
 
+namespace {
+
 // The update of a training forward's outputs (mean and variance at 1 and 2),
 // with the elements per channel as count: the .update overloads' second step.
 template <class Outputs>
@@ -148,54 +147,38 @@ Outputs then_update(Outputs outputs, const at::Tensor& src, const std::optional<
   const at::Tensor& mean = std::get<1>(outputs);
   const at::Tensor& variance = std::get<2>(outputs);
   const int64_t channels = mean.numel();
-  update_running_stats(running_mean, running_var, mean, variance, channels > 0 ? src.numel() / channels : 0,
-                       momentum);
+  batch_norm_update_running_stats(running_mean, running_var, mean, variance,
+                                  channels > 0 ? src.numel() / channels : 0, momentum);
   return outputs;
-}
-
-// The training forward (batch statistics), then the update: one call from
-// Python for an eager step (the update's own call from Python was a fifth of
-// a small layer's training forward on the CPU).
-Outputs3 forward_and_update(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
-                            const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& running_mean,
-                            const std::optional<at::Tensor>& running_var, double momentum, double epsilon,
-                            c10::string_view data_format) {
-  check_running_stats_device(src, running_mean, running_var);
-  return then_update(forward_op().call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format), src,
-                     running_mean, running_var, momentum);
-}
-
-// The fused forward's two entries, likewise.
-Outputs3 act_forward_and_update(const at::Tensor& src, const OptionalTensor& gamma, const OptionalTensor& beta,
-                                const OptionalTensor& running_mean, const OptionalTensor& running_var,
-                                const OptionalTensor& residual, double momentum, double epsilon,
-                                c10::string_view activation, double negative_slope, c10::string_view data_format,
-                                bool memory_saving) {
-  check_running_stats_device(src, running_mean, running_var);
-  return then_update(act_forward_op().call(src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon,
-                                           activation, negative_slope, data_format, memory_saving),
-                     src, running_mean, running_var, momentum);
-}
-
-Outputs4 act_forward_sign_bits_and_update(const at::Tensor& src, const OptionalTensor& gamma,
-                                          const OptionalTensor& beta, const OptionalTensor& running_mean,
-                                          const OptionalTensor& running_var, const OptionalTensor& residual,
-                                          double momentum, double epsilon, c10::string_view activation,
-                                          double negative_slope, c10::string_view data_format) {
-  check_running_stats_device(src, running_mean, running_var);
-  return then_update(act_forward_sign_bits_op().call(src, gamma, beta, std::nullopt, std::nullopt, residual,
-                                                     epsilon, activation, negative_slope, data_format),
-                     src, running_mean, running_var, momentum);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_bn_grad, CompositeExplicitAutograd, m) {
-  m.impl("batch_norm_update_running_stats", &update_running_stats);
-  m.impl("batch_norm_update_running_stats.counted", &update_running_stats_counted);
-  m.impl("batch_norm_forward.update", &forward_and_update);
-  m.impl("batch_norm_act_forward.update", &act_forward_and_update);
-  m.impl("batch_norm_act_forward_sign_bits.update", &act_forward_sign_bits_and_update);
+// The training forward (batch statistics), then the update: one call from
+// Python for an eager step (the update's own call from Python was a fifth of
+// a small layer's training forward on the CPU).
+Outputs3 batch_norm_forward_update(TBG_PARAMS(batch_norm_forward_update)) {
+  check_running_stats_device(src, running_mean, running_var);
+  return then_update(
+      op::batch_norm_forward().call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format), src,
+      running_mean, running_var, momentum);
+}
+
+// The fused forward's two entries, likewise.
+Outputs3 batch_norm_act_forward_update(TBG_PARAMS(batch_norm_act_forward_update)) {
+  check_running_stats_device(src, running_mean, running_var);
+  return then_update(op::batch_norm_act_forward().call(src, gamma, beta, std::nullopt, std::nullopt, residual,
+                                                       epsilon, activation, negative_slope, data_format,
+                                                       memory_saving),
+                     src, running_mean, running_var, momentum);
+}
+
+Outputs4 batch_norm_act_forward_sign_bits_update(TBG_PARAMS(batch_norm_act_forward_sign_bits_update)) {
+  check_running_stats_device(src, running_mean, running_var);
+  return then_update(op::batch_norm_act_forward_sign_bits().call(src, gamma, beta, std::nullopt, std::nullopt,
+                                                                 residual, epsilon, activation, negative_slope,
+                                                                 data_format),
+                     src, running_mean, running_var, momentum);
 }
 
 }  // namespace torch_bn_grad
