@@ -18,6 +18,32 @@ from support.reference import DEVICES
 
 collect_ignore = [] if "cuda" in DEVICES else ["cuda/test_cuda.py"]
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# The files whose tests take longest (a minute or more of tests on 2 busy CPUs),
+# longest first. Under ``-n auto`` each file goes to one worker (pyproject's
+# ``--dist loadfile``: a module-scoped fixture is computed once) in collection
+# order; these go first, so that no worker starts one while the others run out
+# of work.
+LONG_FIRST = (
+    "install/test_cuda_build.py",
+    "operators/test_large_tensors.py",
+    "bench/test_model_bench.py",
+    "operators/test_partial_vector_tails.py",
+    "compile/test_compile.py",
+    "fused/test_batch_norm_act.py",
+    "bench/test_fused_bench.py",
+    "compile/test_compile_lowering.py",
+    "bench/test_bench_install.py",
+    "masked/test_batch_norm_masked.py",
+    "operators/test_ops.py",
+    "masked/test_masked_interop_onnx.py",
+    "interop/test_artifacts.py",
+    "install/test_install.py",
+    "operators/test_small_planes.py",
+    "distributed/test_distributed.py",
+)
+
 
 @pytest.fixture(scope="session", params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
@@ -35,6 +61,15 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``LONG_FIRST`` files' tests first, in its order; the others as collected."""
+    missing = [path for path in LONG_FIRST if not os.path.isfile(os.path.join(TESTS, path))]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONG_FIRST names files that do not exist: {missing}")
+    rank = {os.path.join(TESTS, path): position for position, path in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(LONG_FIRST)))  # stable: a file's order is kept
 
 
 def pytest_report_header(config: pytest.Config) -> str:
