@@ -5,11 +5,11 @@ The kernels in ``csrc/cpu/kernels/*.cpp`` are compiled once per instruction
 set, each copy in its own namespace (``CPU_CAPABILITY``, as ATen's own), and
 ``csrc/cpu/kernel_table.cpp`` picks the copy ``at::get_cpu_capability()``
 names at run time. ``TORCH_BN_GRAD_CPU_ISA`` chooses the copies: ``all``, or
-names (``AVX2,AVX512``); the portable DEFAULT copy is always built. Unset:
-DEFAULT and the set the building CPU runs, as the CUDA kernels are built for
-the visible GPU: each copy is a sixth of the build's compile time, and a
-middle copy (AVX2 on an AVX512 CPU) runs there only under
-``ATEN_CPU_CAPABILITY=avx2``, which then takes DEFAULT.
+names among DEFAULT, AVX2, AVX512 and ``native`` (the building CPU's:
+``DEFAULT,native``). Unset: ``native``, the one copy the building CPU runs,
+as the CUDA kernels are built for the visible GPU: each copy is a third of
+the build's compile time. A copy the running CPU lacks is replaced at run
+time by the nearest compiled one it can run (``csrc/cpu/kernel_table.cpp``).
 ``tests/install/test_cpu_isa_build.py`` compiles the copies a build leaves out.
 """
 
@@ -46,22 +46,24 @@ DEFAULT_BESIDE_OTHERS_OPT = "-O1"
 
 
 def isas(running: str) -> list[str]:
-    """The instruction sets to compile the kernels for, DEFAULT first, given
+    """The instruction sets to compile the kernels for, lowest first, given
     `running`, the capability this CPU runs (torch.backends.cpu.get_cpu_capability(),
     which honours ATEN_CPU_CAPABILITY)."""
     known = list(ISA_FLAGS)
+    running = running.upper()
+    native = running if running in known else "DEFAULT"
     value = os.environ.get(ENV, "").strip().upper()
     if value == "ALL":
         return known
-    if value:
-        asked = [name.strip() for name in value.replace(";", ",").split(",") if name.strip()]
-        unknown = [name for name in asked if name not in known]
-        if unknown:
-            raise SystemExit(f"{_PREFIX} {ENV}={os.environ[ENV]!r} names {', '.join(unknown)}; "
-                             f"expected 'all' or names among {', '.join(known)}")
-        return [name for name in known if name == "DEFAULT" or name in asked]
-    running = running.upper()
-    return ["DEFAULT"] + ([running] if running in known and running != "DEFAULT" else [])
+    if not value:
+        return [native]
+    asked = {native if name == "NATIVE" else name
+             for name in (part.strip() for part in value.replace(";", ",").split(",")) if name}
+    unknown = sorted(name for name in asked if name not in known)
+    if unknown or not asked:
+        raise SystemExit(f"{_PREFIX} {ENV}={os.environ[ENV]!r} names {', '.join(unknown) or 'nothing'}; "
+                         f"expected 'all' or names among {', '.join(known)} and native")
+    return [name for name in known if name in asked]
 
 
 def flags(isa: str, compiled: list[str]) -> list[str]:
@@ -75,12 +77,12 @@ def flags(isa: str, compiled: list[str]) -> list[str]:
 
 def generic_defines(compiled: list[str]) -> list[str]:
     """Defines that tell the generic sources which copies exist (cpu/kernel_table.cpp)."""
-    return [f"-DTORCH_BN_GRAD_CPU_{isa}" for isa in compiled if isa != "DEFAULT"]
+    return [f"-DTORCH_BN_GRAD_CPU_{isa}" for isa in compiled]
 
 
 def describe(compiled: list[str]) -> str:
     """The build's one line about the CPU kernels."""
     line = f"{_PREFIX} CPU kernels for {', '.join(compiled)}"
     if len(compiled) < len(ISA_FLAGS):
-        line += f" (this CPU's; {ENV}=all builds every copy)"
+        line += f" ({ENV}=all builds every copy)"
     return line

@@ -9,7 +9,7 @@ C++ ABI that the installed torch may not have).
 The C++ operators are always built for the CPU. The hot CPU kernels in
 ``csrc/cpu/kernels/`` are compiled once per instruction set and the matching
 copy is picked at run time from ``at::get_cpu_capability()``; which copies,
-``cpu_build.py`` says (by default DEFAULT and the one this CPU runs). Every
+``cpu_build.py`` says (by default the one this CPU runs). Every
 compile (per-ISA kernels and the rest) runs from one queue, as many at once
 as there are CPUs (``MAX_JOBS``), the longest first; the other sources share a precompiled header of torch's
 headers. CUDA kernels are built where a GPU is visible, for its architecture,

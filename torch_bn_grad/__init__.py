@@ -52,6 +52,6 @@ def cpu_kernel_isa() -> str:
 
 
 def compiled_cpu_kernel_isas() -> tuple[str, ...]:
-    """Instruction sets the CPU kernels were compiled for, ``"DEFAULT"`` first
-    (``TORCH_BN_GRAD_CPU_ISA`` at build time; by default DEFAULT and the one the building CPU runs)."""
+    """Instruction sets the CPU kernels were compiled for, lowest first
+    (``TORCH_BN_GRAD_CPU_ISA`` at build time; by default the one the building CPU runs)."""
     return tuple(_C.compiled_cpu_kernel_isas().split(","))

@@ -1,35 +1,34 @@
 // Picks the kernels compiled for the running CPU, once: the copy
 // at::get_cpu_capability() names (ATEN_CPU_CAPABILITY honoured, as by ATen's
-// own kernels), the plain, fused and masked operators' alike; DEFAULT where
-// that copy was not compiled (setup.py, TORCH_BN_GRAD_CPU_ISA).
+// own kernels), the plain, fused and masked operators' alike. Where that copy
+// was not compiled (setup.py, TORCH_BN_GRAD_CPU_ISA): the highest compiled one
+// below it, else the lowest above it that the CPU runs (with a warning: a
+// build for the building CPU alone has no DEFAULT copy), else an error that
+// says how to build one.
 #include "cpu/kernels/kernel_table.h"
 #include "cpu/kernels/act_kernel_table.h"
 #include "cpu/kernels/masked_kernel_table.h"
 
+#include <array>
 #include <string>
 
 #include <ATen/Version.h>
+#include <c10/util/Exception.h>
 
 #include "module_functions.h"
 
 namespace torch_bn_grad::cpu {
 namespace {
 
-template <typename Table>
-using TableCopy = const Table& (*)();
+// The copies, lowest first, named as at::get_cpu_capability() names them.
+constexpr std::array<const char*, 3> kIsaNames{"DEFAULT", "AVX2", "AVX512"};
 
-// The copy of `Table` for the running CPU among the compiled ones (null: not
-// compiled for this architecture).
-template <typename Table>
-const Table& for_running_cpu(TableCopy<Table> default_copy, TableCopy<Table> avx2, TableCopy<Table> avx512) {
-  const std::string capability = at::get_cpu_capability();
-  if (avx512 != nullptr && capability == "AVX512") return avx512();
-  if (avx2 != nullptr && capability == "AVX2") return avx2();
-  return default_copy();
-}
-
-// The copies setup.py compiled: DEFAULT always, the others as it names them
-// (TORCH_BN_GRAD_CPU_<ISA>).
+// Which copies setup.py compiled (TORCH_BN_GRAD_CPU_<ISA>).
+#if defined(TORCH_BN_GRAD_CPU_DEFAULT)
+#define TBG_DEFAULT_COPY(table) &table##_DEFAULT
+#else
+#define TBG_DEFAULT_COPY(table) nullptr
+#endif
 #if defined(TORCH_BN_GRAD_CPU_AVX2)
 #define TBG_AVX2_COPY(table) &table##_AVX2
 #else
@@ -40,7 +39,69 @@ const Table& for_running_cpu(TableCopy<Table> default_copy, TableCopy<Table> avx
 #else
 #define TBG_AVX512_COPY(table) nullptr
 #endif
-#define TBG_COMPILED_COPIES(table) &table##_DEFAULT, TBG_AVX2_COPY(table), TBG_AVX512_COPY(table)
+#define TBG_COMPILED_COPIES(table) {TBG_DEFAULT_COPY(table), TBG_AVX2_COPY(table), TBG_AVX512_COPY(table)}
+
+constexpr std::array<bool, 3> kCompiled{
+#if defined(TORCH_BN_GRAD_CPU_DEFAULT)
+    true,
+#else
+    false,
+#endif
+#if defined(TORCH_BN_GRAD_CPU_AVX2)
+    true,
+#else
+    false,
+#endif
+#if defined(TORCH_BN_GRAD_CPU_AVX512)
+    true,
+#else
+    false,
+#endif
+};
+
+// Whether the hardware runs copy `i`, whatever ATEN_CPU_CAPABILITY says
+// (the instructions each copy is compiled with: cpu_build.py).
+bool hardware_runs(size_t i) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (i == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (i == 2)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return i == 0;
+}
+
+// The index of the copy every table uses, decided once.
+size_t chosen_copy() {
+  static const size_t chosen = [] {
+    const std::string capability = at::get_cpu_capability();
+    size_t asked = 0;
+    for (size_t i = 0; i < kIsaNames.size(); ++i)
+      if (capability == kIsaNames[i]) asked = i;
+    for (size_t i = asked + 1; i-- > 0;)
+      if (kCompiled[i]) return i;
+    for (size_t i = asked + 1; i < kIsaNames.size(); ++i) {
+      if (kCompiled[i] && hardware_runs(i)) {
+        TORCH_WARN_ONCE("torch_bn_grad: the CPU kernels were not compiled for ", capability,
+                        " (at::get_cpu_capability(), which ATEN_CPU_CAPABILITY sets); running the ",
+                        kIsaNames[i], " copy. Build with TORCH_BN_GRAD_CPU_ISA=all for every copy.");
+        return i;
+      }
+    }
+    TORCH_CHECK(false, "torch_bn_grad: the CPU kernels were compiled for ", compiled_cpu_kernel_isas(),
+                " only, which this CPU does not run (it runs ", capability,
+                "); rebuild here, or with TORCH_BN_GRAD_CPU_ISA=all for every CPU");
+  }();
+  return chosen;
+}
+
+template <typename Table>
+using TableCopy = const Table& (*)();
+
+template <typename Table>
+const Table& for_running_cpu(const std::array<TableCopy<Table>, 3>& copies) {
+  return copies[chosen_copy()]();
+}
 
 }  // namespace
 
@@ -64,12 +125,12 @@ const MaskedKernelTable& masked_kernel_table() {
 const char* torch_bn_grad::cpu_kernel_isa() { return cpu::kernel_table().isa; }
 
 const char* torch_bn_grad::compiled_cpu_kernel_isas() {
-  return "DEFAULT"
-#if defined(TORCH_BN_GRAD_CPU_AVX2)
-         ",AVX2"
-#endif
-#if defined(TORCH_BN_GRAD_CPU_AVX512)
-         ",AVX512"
-#endif
-      ;
+  // The names, comma-separated, lowest first.
+  static const std::string names = [] {
+    std::string s;
+    for (size_t i = 0; i < cpu::kIsaNames.size(); ++i)
+      if (cpu::kCompiled[i]) s += (s.empty() ? "" : ",") + std::string(cpu::kIsaNames[i]);
+    return s;
+  }();
+  return names.c_str();
 }

@@ -1,8 +1,9 @@
 """Compiles the per-ISA CPU kernels for the instruction sets this build left out.
 
-setup.py compiles the kernels in ``csrc/cpu/kernels/`` for DEFAULT and the
-set the building CPU runs (cpu_build.py), so on a CPU without AVX512 the
-AVX512 copy is never compiled by the build, nor the AVX2 copy on one with it.
+setup.py compiles the kernels in ``csrc/cpu/kernels/`` for the instruction
+set the building CPU runs (cpu_build.py; the README's test command adds
+DEFAULT), so on a CPU without AVX512 the AVX512 copy is never compiled by
+the build, nor the AVX2 copy on one with it.
 Here every kernel source goes through the compiler's front end (``-fsyntax-only``: parsing, overload
 resolution and template instantiation, where such a copy's errors arise) for
 each instruction set not compiled, with the flags the build would use. A

@@ -5,6 +5,7 @@ CPU kernels."""
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import torch_bn_grad
-from support.isa_runs import run_on_every_isa
+from support.isa_runs import runs_to_compare
 from support.reference import assert_close, cases, reference_backward, reference_forward
 
 CASES = list(cases())
@@ -245,12 +246,44 @@ print(json.dumps(out))
 
 def test_every_isa_kernel_agrees():
     """Each compiled ISA copy runs when selected and gives the same results."""
-    runs = run_on_every_isa(_ISA_SCRIPT)
-    base = runs["default"]["results"]
+    runs = runs_to_compare(_ISA_SCRIPT)
+    base = next(iter(runs.values()))["results"]
     for c, run in runs.items():
         for case_a, case_b in zip(base, run["results"]):
             for a, b in zip(case_a, case_b):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-2, rtol=1e-2)
+
+
+def _expected_copy(asked: str, compiled: list[str]) -> str:
+    """kernel_table.cpp's rule: the highest compiled copy at or below the
+    capability asked, else the lowest above it (this CPU built them all)."""
+    order = ["DEFAULT", "AVX2", "AVX512"]
+    below = [isa for isa in compiled if order.index(isa) <= order.index(asked)]
+    return below[-1] if below else compiled[0]
+
+
+@pytest.mark.parametrize("asked", ["default", "avx2", "avx512"])
+def test_isa_copy_follows_the_capability(asked):
+    """ATEN_CPU_CAPABILITY picks the copy it names where it was compiled, the
+    nearest one below it else, and a copy above it (with a warning) where
+    none is below: a build for the building CPU alone has no DEFAULT copy."""
+    order = ["default", "avx2", "avx512"]
+    supported = torch.backends.cpu.get_cpu_capability().lower()
+    if supported not in order or order.index(asked) > order.index(supported):
+        pytest.skip(f"this CPU does not run {asked}")
+    compiled = list(torch_bn_grad.compiled_cpu_kernel_isas())
+    runnable = [isa for isa in compiled if order.index(isa.lower()) <= order.index(supported)]
+    # The choice is made once, at the first kernel call; its warning goes to stderr.
+    code = ("import torch, torch_bn_grad\n"
+            "torch_bn_grad.batch_norm_forward(torch.randn(4, 3, 5), None, None)\n"
+            "print(torch_bn_grad.cpu_kernel_isa())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, ATEN_CPU_CAPABILITY=asked))
+    assert proc.returncode == 0, proc.stderr
+    expected = _expected_copy(asked.upper(), runnable)
+    assert proc.stdout.split() == [expected]
+    warned = f"kernels were not compiled for {asked.upper()}" in proc.stderr
+    assert warned == (order.index(expected.lower()) > order.index(asked)), proc.stderr
 
 
 def test_import_before_torch_in_a_fresh_process():

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import torch_bn_grad
@@ -40,4 +41,14 @@ def run_on_every_isa(script: str, env: dict[str, str] | None = None) -> dict[str
         run = json.loads(proc.stdout)
         assert run["isa"] == capability.upper(), (capability, run["isa"])
         runs[capability] = run
+    return runs
+
+
+def runs_to_compare(script: str, env: dict[str, str] | None = None) -> dict[str, dict]:
+    """`run_on_every_isa`, lowest ISA first, for a test that compares the
+    copies: skipped where this build compiled one copy only (the README's
+    test command builds DEFAULT beside the CPU's own)."""
+    runs = run_on_every_isa(script, env)
+    if len(runs) < 2:
+        pytest.skip(f"one ISA copy of the kernels compiled ({', '.join(runs)}): nothing to compare")
     return runs

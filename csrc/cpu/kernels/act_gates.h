@@ -73,8 +73,14 @@ struct ForwardAct : PlainEpilogue<T> {
   using IO = Io<T>;
   static constexpr int P = IO::kParts;
   acc_t slope;
+  // relu as leaky_relu with slope 0 then relu: the negative side's z * 0
+  // (-0, or NaN for -inf) made 0, bit for bit relu's; one instantiation for both.
+  bool then_relu = false;
   uint8_t* positive = nullptr;  // sign bits, in layouts where sign_bits_fit<T>
-  C10_ALWAYS_INLINE void post(Vec& v) const { v = Act::template forward<VecOps>(v, Vec(slope)); }
+  C10_ALWAYS_INLINE void post(Vec& v) const {
+    v = Act::template forward<VecOps>(v, Vec(slope));
+    if (then_relu) v = act::Relu::forward<VecOps>(v, Vec(0));
+  }
   C10_ALWAYS_INLINE void stored(const T*, int64_t off, int64_t lanes, const Vec (&v)[P]) const {
     constexpr int64_t K = IO::kChunk;
     if constexpr (K % 8 == 0 && K <= 32) {  // else never set (sign_bits_fit)
@@ -132,8 +138,8 @@ struct SignBitsGate : DzOut<T> {
 };
 
 // act'(z) from the output y. Normal mode: the kernel's x is the input and
-// `y` the output. kFromOutput: the kernel's x is the output, turned into
-// u = act^-1(y) - r.
+// `y` the output, or null where act' is 1 (identity: dz = dy). kFromOutput:
+// the kernel's x is the output, turned into u = act^-1(y) - r.
 template <typename T, typename Act, bool kFromOutput>
 struct OutputGate : DzOut<T> {
   using typename DzOut<T>::acc_t;
@@ -155,6 +161,7 @@ struct OutputGate : DzOut<T> {
         if (r) x[q] = x[q] - rv[q];
       }
     } else {
+      if (!y) return;
       this->load(y, off, lanes, g);
     }
     if constexpr (Act::kNeedsGate)

@@ -4,9 +4,11 @@
 // batch_norm_act_forward_kernels.cpp's). Compiled once per instruction set,
 // like batch_norm_kernels.cpp; dtype and activation are dispatched here, once.
 //
-// relu's backward is leaky_relu's with slope 0: act'(z) is then
-// select(y > 0, 1, 0) in both, bit for bit, and relu is never inverted
-// (from_output is refused for it), so relu adds no instantiation.
+// relu's and identity's backwards are leaky_relu's, so they add no
+// instantiation: relu's with slope 0 (act'(z) is then select(y > 0, 1, 0) in
+// both, bit for bit, and relu is never inverted: from_output is refused for
+// it), identity's with slope 1 (act' is 1 and the inverse y / 1 is y, exactly)
+// and no output to read in its normal mode (OutputGate without `y`: dz = dy).
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
@@ -25,7 +27,7 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename T, typename Act>
-void backward_as(ActBackwardArgs& a, double act_slope) {
+void backward_as(ActBackwardArgs& a, double act_slope, bool identity = false) {
   using acc_t = at::opmath_type<T>;
   const Extent& e = a.extent;
   const T* x = a.data.const_data_ptr<T>();
@@ -37,8 +39,7 @@ void backward_as(ActBackwardArgs& a, double act_slope) {
   double *dgamma = a.diff_gamma, *dbeta = a.diff_beta;
   const acc_t slope = static_cast<acc_t>(act_slope);
   if constexpr (Act::kGradFromOutput) {
-    constexpr bool kInvertible = Act::kKind == act::Kind::identity || Act::kKind == act::Kind::leaky_relu;
-    if constexpr (kInvertible) {
+    if constexpr (Act::kKind == act::Kind::leaky_relu) {
       if (a.from_output) {
         // The kernel centres u = act^-1(y) - r = gamma * rstd * (x - mean) + beta.
         const auto unit = aligned_array_for_overwrite<double>(e.channels);
@@ -64,7 +65,7 @@ void backward_as(ActBackwardArgs& a, double act_slope) {
       }
     }
     OutputGate<T, Act, false> gate;
-    gate.y = data_or_null<T>(a.output);
+    gate.y = identity ? nullptr : data_or_null<T>(a.output);
     gate.slope = slope;
     gate.dz = dz;
     backward_impl<T>(x, dy, dx, e, mean, nullptr, var, gamma, a.epsilon, a.training, dgamma, dbeta, gate);
@@ -86,6 +87,8 @@ void backward(ActBackwardArgs& a) {
       using Act = decltype(activation);
       if constexpr (Act::kKind == act::Kind::relu) {
         backward_as<scalar_t, act::LeakyRelu>(a, 0.0);
+      } else if constexpr (Act::kKind == act::Kind::identity) {
+        backward_as<scalar_t, act::LeakyRelu>(a, 1.0, true);
       } else {
         backward_as<scalar_t, Act>(a, a.act.slope);
       }

@@ -6,7 +6,8 @@
 // The identity activation has no epilogue of its own: without sign bits it
 // is the plain forward with a residual (batch_norm_kernels.cpp's); with sign
 // bits it is leaky_relu with slope 1 (z * 1 == z exactly, so the output and
-// its bits are the same). Neither adds an instantiation of the operators.
+// its bits are the same). relu is leaky_relu with slope 0 then relu
+// (ForwardAct::then_relu). Neither adds an instantiation of the operators.
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
@@ -23,12 +24,13 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename T, typename Act>
-void forward_as(ActForwardArgs& a, double slope) {
+void forward_as(ActForwardArgs& a, double slope, bool then_relu = false) {
   const T* x = a.src.const_data_ptr<T>();
   const T* r = data_or_null<T>(a.residual);
   T* y = a.dst.mutable_data_ptr<T>();
   ForwardAct<T, Act> ep;
   ep.slope = static_cast<at::opmath_type<T>>(slope);
+  ep.then_relu = then_relu;
   if (a.dst_positive.defined()) ep.positive = a.dst_positive.mutable_data_ptr<uint8_t>();
   if (a.batch) {
     forward_batch_impl<T>(x, r, y, a.extent, a.gamma, a.beta, a.epsilon, a.mean, a.var, ep);
@@ -55,6 +57,8 @@ void TBG_ISA_COPY(act_forward)(ActForwardArgs& a) {
       using Act = decltype(activation);
       if constexpr (Act::kKind == act::Kind::identity) {
         CPU_CAPABILITY::forward_as<scalar_t, act::LeakyRelu>(a, 1.0);
+      } else if constexpr (Act::kKind == act::Kind::relu) {
+        CPU_CAPABILITY::forward_as<scalar_t, act::LeakyRelu>(a, 0.0, /*then_relu=*/true);
       } else {
         CPU_CAPABILITY::forward_as<scalar_t, Act>(a, a.act.slope);
       }
