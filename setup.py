@@ -11,8 +11,8 @@ The C++ operators are always built for the CPU. The hot CPU kernels in
 copy is picked at run time from ``at::get_cpu_capability()``; which copies,
 ``cpu_build.py`` says (by default the one this CPU runs). Every
 compile (per-ISA kernels and the rest) runs from one queue, as many at once
-as there are CPUs (``MAX_JOBS``), the longest first; the other sources share a precompiled header of torch's
-headers. CUDA kernels are built where a GPU is visible, for its architecture,
+as there are CPUs (``MAX_JOBS``), the longest first; the other sources that
+include torch's headers share a precompiled header of them. CUDA kernels are built where a GPU is visible, for its architecture,
 or when asked (``TORCH_BN_GRAD_CUDA=1`` or ``TORCH_CUDA_ARCH_LIST``), see
 ``cuda_build.py``.
 """
@@ -83,6 +83,10 @@ PRECOMPILED = "".join(f"#include <{header}>\n" for header in (
     "torch/csrc/autograd/functions/utils.h", "torch/csrc/autograd/saved_variable.h",
     "torch/csrc/autograd/variable.h"))
 USE_PCH = os.environ.get("TORCH_BN_GRAD_PCH", "1") != "0"
+# The other C++ sources compiled a folder at a time (one unit including the
+# folder's sources): each unit pays the precompiled header's load, more than
+# most sources take to compile. TORCH_BN_GRAD_UNITY=0 compiles each alone.
+UNITY = os.environ.get("TORCH_BN_GRAD_UNITY", "1") != "0"
 
 
 _CUDA_PLAN = None
@@ -113,21 +117,23 @@ class BuildInOneQueue(BuildExtension):
     source and flag set is one task of a single queue of `_jobs()` workers
     (one ninja each, in its own folder, so that rebuilds stay incremental),
     started longest first, so that both cores of a 2-CPU machine stay busy
-    to the end. The objects are linked generic first, then the ISA copies
-    default first: where an inline header function exists in several
-    objects, the linker keeps the baseline copy.
+    to the end; the generic C++ sources a folder at a time (UNITY). The
+    objects are linked generic first, then the ISA copies default first:
+    where an inline header function exists in several objects, the linker
+    keeps the baseline copy.
     """
 
     def build_extension(self, ext) -> None:  # noqa: D102 (setuptools hook)
+        self._unity_members: dict[str, list[str]] = {}  # unit -> its sources (UNITY)
         cxx = list(ext.extra_compile_args["cxx"])
         nvcc = list(ext.extra_compile_args.get("nvcc", []))
-        generic = [os.path.abspath(s) for s in ext.sources]
+        generic = self._generic_units([os.path.abspath(s) for s in ext.sources])
         tasks = []  # (sources, output folder, cxx flags), longest first
         for isa, flags in KERNEL_COPY_FLAGS.items():
             for source in KERNEL_SOURCES:
                 tasks.append(([source], os.path.join("isa", isa.lower()), cxx + flags))
         # nvcc's sources first, then the largest.
-        for source in sorted(generic, key=lambda s: (not s.endswith(".cu"), -os.path.getsize(s))):
+        for source in sorted(generic, key=lambda s: (not s.endswith(".cu"), -self._unit_size(s))):
             tasks.append(([source], "generic", cxx))
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=_jobs()) as pool:
@@ -137,7 +143,7 @@ class BuildInOneQueue(BuildExtension):
 
             def compile_task(task):
                 sources, folder, flags = task
-                if folder == "generic" and pch is not None and pch.result():
+                if folder == "generic" and pch is not None and pch.result() and self._reads_torch_headers(sources[0]):
                     flags = flags + ["-include", pch.result(), "-Winvalid-pch"]
                 name = os.path.splitext(os.path.basename(sources[0]))[0]
                 return self.compiler.compile(
@@ -157,6 +163,47 @@ class BuildInOneQueue(BuildExtension):
         ordered = [by_source[s] for s in generic] + isa_objects  # generic in source order, then default ISA first
 
         self._link(ext, ordered)
+
+    def _generic_units(self, sources: list[str]) -> list[str]:
+        """The units to compile for the generic sources, in source order: each
+        .cu alone; the .cpp of a folder as one unit (UNITY), a file in the
+        build folder that includes them, rewritten only when it changes."""
+        if not UNITY:
+            return sources
+        by_folder: dict[str, list[str]] = {}
+        for source in sources:
+            if source.endswith(".cpp"):
+                by_folder.setdefault(os.path.dirname(source), []).append(source)
+        units, written = [], set()
+        for source in sources:
+            folder = os.path.dirname(source)
+            members = by_folder.get(folder) if source.endswith(".cpp") else None
+            if not members or len(members) == 1:
+                units.append(source)
+                continue
+            if folder in written:
+                continue
+            written.add(folder)
+            name = os.path.relpath(folder, os.path.join(ROOT, "csrc")).replace(os.sep, "_")
+            unit = os.path.join(os.path.abspath(self.build_temp), "unity", f"{name}.cpp")
+            text = "// Generated by setup.py: the folder's sources as one unit.\n" + "".join(
+                f'#include "{member}"\n' for member in members)
+            os.makedirs(os.path.dirname(unit), exist_ok=True)
+            if not (os.path.exists(unit) and open(unit).read() == text):
+                with open(unit, "w") as f:
+                    f.write(text)
+            self._unity_members[unit] = members
+            units.append(unit)
+        return units
+
+    def _members(self, unit: str) -> list[str]:
+        return self._unity_members.get(unit, [unit])
+
+    def _unit_size(self, unit: str) -> int:
+        return sum(os.path.getsize(m) for m in self._members(unit))
+
+    def _reads_torch_headers(self, unit: str) -> bool:
+        return any(build_sources.reads_torch_headers(os.path.relpath(m, ROOT)) for m in self._members(unit))
 
     def _link(self, ext, objects: list[str]) -> None:
         """Link the queue's objects into the extension, as setuptools'

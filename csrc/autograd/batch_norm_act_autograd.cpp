@@ -41,7 +41,6 @@ namespace {
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 
 // Half-precision parameters meet float32 statistics: the fused operator takes one dtype.

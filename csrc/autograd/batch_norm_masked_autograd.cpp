@@ -36,7 +36,6 @@ namespace {
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
 std::optional<at::ScalarType> dtype_of(const OptionalTensor& t) {
   return given(t) ? std::optional<at::ScalarType>(t->scalar_type()) : std::nullopt;

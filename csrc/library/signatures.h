@@ -22,6 +22,8 @@ using Outputs5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 
 // An optional tensor argument that holds a tensor.
 inline bool given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
+// A saved tensor as an optional argument: none where it is undefined.
+inline OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
 #define TBG_PARAMS(name) TBG_PARAMS_##name
 
