@@ -41,23 +41,16 @@ constexpr std::array<const char*, 3> kIsaNames{"DEFAULT", "AVX2", "AVX512"};
 #endif
 #define TBG_COMPILED_COPIES(table) {TBG_DEFAULT_COPY(table), TBG_AVX2_COPY(table), TBG_AVX512_COPY(table)}
 
-constexpr std::array<bool, 3> kCompiled{
-#if defined(TORCH_BN_GRAD_CPU_DEFAULT)
-    true,
-#else
-    false,
-#endif
-#if defined(TORCH_BN_GRAD_CPU_AVX2)
-    true,
-#else
-    false,
-#endif
-#if defined(TORCH_BN_GRAD_CPU_AVX512)
-    true,
-#else
-    false,
-#endif
-};
+template <typename Table>
+using TableCopy = const Table& (*)();
+template <typename Table>
+using TableCopies = std::array<TableCopy<Table>, 3>;
+
+// Whether copy `i` was compiled (every table has the same copies).
+bool compiled(size_t i) {
+  static constexpr TableCopies<KernelTable> copies = TBG_COMPILED_COPIES(kernel_table);
+  return copies[i] != nullptr;
+}
 
 // Whether the hardware runs copy `i`, whatever ATEN_CPU_CAPABILITY says
 // (the instructions each copy is compiled with: cpu_build.py).
@@ -79,9 +72,9 @@ size_t chosen_copy() {
     for (size_t i = 0; i < kIsaNames.size(); ++i)
       if (capability == kIsaNames[i]) asked = i;
     for (size_t i = asked + 1; i-- > 0;)
-      if (kCompiled[i]) return i;
+      if (compiled(i)) return i;
     for (size_t i = asked + 1; i < kIsaNames.size(); ++i) {
-      if (kCompiled[i] && hardware_runs(i)) {
+      if (compiled(i) && hardware_runs(i)) {
         TORCH_WARN_ONCE("torch_bn_grad: the CPU kernels were not compiled for ", capability,
                         " (at::get_cpu_capability(), which ATEN_CPU_CAPABILITY sets); running the ",
                         kIsaNames[i], " copy. Build with TORCH_BN_GRAD_CPU_ISA=all for every copy.");
@@ -96,10 +89,7 @@ size_t chosen_copy() {
 }
 
 template <typename Table>
-using TableCopy = const Table& (*)();
-
-template <typename Table>
-const Table& for_running_cpu(const std::array<TableCopy<Table>, 3>& copies) {
+const Table& for_running_cpu(const TableCopies<Table>& copies) {
   return copies[chosen_copy()]();
 }
 
@@ -129,7 +119,7 @@ const char* torch_bn_grad::compiled_cpu_kernel_isas() {
   static const std::string names = [] {
     std::string s;
     for (size_t i = 0; i < cpu::kIsaNames.size(); ++i)
-      if (cpu::kCompiled[i]) s += (s.empty() ? "" : ",") + std::string(cpu::kIsaNames[i]);
+      if (cpu::compiled(i)) s += (s.empty() ? "" : ",") + std::string(cpu::kIsaNames[i]);
     return s;
   }();
   return names.c_str();
