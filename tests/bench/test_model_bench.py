@@ -281,3 +281,19 @@ def test_model_bench_autocast_runs_the_forward_in_that_dtype(tmp_path):
                            modes="train", executions="eager", layouts="contiguous", num_classes=10, opaque=False,
                            fuse=False, threads=None, autocast="float16")
     assert _model_bench.process_argv(args)[-2:] == ["--autocast", "float16"]
+
+
+def test_eval_processes_bench_times_each_variant_alone():
+    # The checkout's benchmarks/eval_processes.py: one variant in this process, then the
+    # whole command (a fresh process a variant), tiny sizes.
+    spec = importlib.util.spec_from_file_location("benchmark_eval_processes", ROOT / "benchmarks" / "eval_processes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    row = module.time_one("fused", "resnet18", 1, 16, "channels_last", 2)
+    assert row["ms"] > 0 and row["faults"] >= 0
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eval_processes.py"), "--model", "resnet18",
+                           "--batch-size", "1", "--resolution", "16", "--processes", "1", "--steps", "1",
+                           "--keep-memory"], capture_output=True, text=True, check=True)
+    lines = done.stdout.strip().splitlines()
+    assert "glibc keeping its memory" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == list(module.VARIANTS)
