@@ -13,8 +13,8 @@ copy is picked at run time from ``at::get_cpu_capability()``; which copies,
 compile (per-ISA kernels and the rest) runs from one queue, as many at once
 as there are CPUs (``MAX_JOBS``), the longest first; the other sources that
 include torch's headers share a precompiled header of them. CUDA kernels are
-built where a GPU is visible, for its architecture, or when asked (``TORCH_BN_GRAD_CUDA=1`` or ``TORCH_CUDA_ARCH_LIST``), see
-``cuda_build.py``.
+built where a GPU is visible, for its architecture, or when asked
+(``TORCH_BN_GRAD_CUDA=1`` or ``TORCH_CUDA_ARCH_LIST``), see ``cuda_build.py``.
 """
 
 from __future__ import annotations
