@@ -38,19 +38,19 @@ constexpr int64_t kBlockElements = 16384;
 // size and least height. A block row runs over up to kColumnBlock channels
 // (4 KiB of float32): shorter segments of eight interleaved rows defeat the
 // hardware prefetchers (256-channel segments took 1.5x as long per element on
-// a 2048-channel layer). A block has at least kRowBlockRows rows, so that
-// each channel's per-block work (its centre, its partial, the merge: a few
-// dozen float64 operations, a vector of columns at a time) is spread over
-// them, and otherwise about kRowBlockElements elements. 256 rows: a 1024-column float32 block is then
-// 1 MB, and the second statistics pass reads it back from L2 (1 MB a Zen 4
-// core, 2 MB a Xeon EMR core); at 512 rows (2 MB) it came from L3. Against
-// 512 rows (2 threads, Zen 4, variants interleaved in one process, four
-// processes): 4096x1024 float32 forward 0.94x-0.97x the time, 32x1024x14x14
-// and 32x2048x7x7 channels_last forward 0.89x and 0.91x, backward level to
-// 0.97x, nothing slower beyond noise from 256x1024 to 512x4096. 128 rows was
-// level with 256 on the float32 forward and 1.07x on float16 2048-channel
-// layers (the per-block column work); 1024 rows missed L2 on 32x512x28x28
-// channels_last (1.25x).
+// a 2048-channel layer). A block has at least kRowBlockRows rows, so that each
+// channel's per-block work (its centre, its partial, the merge: a few dozen
+// float64 operations, a vector of columns at a time) is spread over them, and
+// otherwise about kRowBlockElements elements. 256 rows: a 1024-column float32
+// block is then 1 MB, and the second statistics pass reads it back from L2
+// (1 MB a Zen 4 core, 2 MB a Xeon EMR core); at 512 rows (2 MB) it came from
+// L3. Against 512 rows (2 threads, Zen 4, variants interleaved in one process,
+// four processes): 4096x1024 float32 forward 0.94x-0.97x the time,
+// 32x1024x14x14 and 32x2048x7x7 channels_last forward 0.89x and 0.91x,
+// backward level to 0.97x, nothing slower beyond noise from 256x1024 to
+// 512x4096. 128 rows was level with 256 on the float32 forward and 1.07x on
+// float16 2048-channel layers (the per-block column work); 1024 rows missed L2
+// on 32x512x28x28 channels_last (1.25x).
 constexpr int64_t kColumnBlock = 1024;
 constexpr int64_t kRowBlockElements = 65536;
 constexpr int64_t kRowBlockRows = 256;
