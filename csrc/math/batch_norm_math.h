@@ -105,14 +105,19 @@ TBG_HOST_DEVICE Moments<D> centred_moments(D count, D sum_x, D centre, D sum_d2)
 }
 
 // The moments of `count` values from the exact sums of d = x - centre and of
-// d^2 about any centre (the CUDA kernels' first value of a channel): mean =
-// centre + sum_d / count, m2 = sum_d2 - sum_d * (sum_d / count), clamped at 0.
-// The same identity as centred_moments, taken from sum(d) rather than sum(x),
-// so that a centre a few deviations from the mean costs float64 data nothing.
+// d^2 about any centre (the CUDA kernels' first value of a channel, the CPU
+// row kernels' mean of a block's first rows): mean = centre + sum_d / count,
+// m2 = sum_d2 - sum_d * (sum_d / count), clamped at 0. The same identity as
+// centred_moments, taken from sum(d) rather than sum(x), so that the values'
+// rounding does not reach m2 through a centre off the mean: sum(d)'s is at
+// the deviations' scale.
+template <typename D>
+TBG_HOST_DEVICE Moments<D> shifted_moments(D count, D centre, D sum_d, D sum_d2) {
+  const D offset = sum_d / count;
+  return {count, centre + offset, LaneMath<D>::nonnegative(sum_d2 - sum_d * offset)};
+}
 TBG_HOST_DEVICE Moments<double> shifted_moments(double count, double centre, double sum_d, double sum_d2) {
-  const double offset = sum_d / count;
-  const double m2 = sum_d2 - sum_d * offset;
-  return {count, centre + offset, m2 < 0.0 ? 0.0 : m2};
+  return shifted_moments<double>(count, centre, sum_d, sum_d2);
 }
 
 // ------------------------------------------------------------------ forward

@@ -133,12 +133,14 @@ C10_ALWAYS_INLINE double lanes_total(const at::vec::Vectorized<acc_t> (&sum)[N],
   return lanes_total_generic(sum, err);
 }
 
-// The statistics' second pass centre: the block mean rounded to a multiple of
-// the acc_t spacing at the block's largest magnitude. Every element is a
-// multiple of that spacing or finer, so d = x - centre is exact in acc_t (bar
-// rare ties that round to even): sum(d^2) carries no rounding bias from the
-// centre's low bits, and a centre this close to the mean costs nothing in
-// cancellation. math::centred_moments turns the two sums into moments.
+// The centre of the statistics' sums about a centre: a mean rounded to a
+// multiple of the spacing of acc_t (the type given: the row kernels give the
+// data's, row_statistics.h) at the largest magnitude of the values it was
+// taken from. Each of them is a multiple of that spacing or finer, so d = x -
+// centre is exact in the accumulation type (bar rare ties that round to even):
+// sum(d^2) carries no rounding bias from the centre's low bits, and a centre
+// this close to the mean costs nothing in cancellation. math::centred_moments
+// (from sum(x)) or shifted_moments (from sum(d)) turns the sums into moments.
 //
 // max_abs comes from a plain (not NaN-propagating) max: a NaN element makes
 // the sum, and so `mean`, NaN, which is returned as it is.

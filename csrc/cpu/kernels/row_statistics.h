@@ -1,12 +1,15 @@
 // The row kernels' statistics: a block's per-channel (count, mean, m2)
 // partials when channels are innermost, or over the segment rows of short
-// planes (row_walk.h), in two passes: the exact sums of x and max |x|, then
-// the exact sums of (x - centre)^2 while the block is in cache.
+// planes (row_walk.h), from the exact sums of d = x - centre and of d^2
+// about a centre near each channel's mean: in one pass over the block, the
+// centre from its first rows, or in two (the exact sums of x and max |x|,
+// then d's sums while the block is in cache).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "math/batch_norm_math.h"
 #include "cpu/kernels/channel_finish.h"
@@ -20,48 +23,113 @@ template <typename T>
 struct RowStatistics : RowWalk<T> {
   TORCH_BN_GRAD_ROW_WALK_NAMES(T);
 
-  // The block's (count, mean, m2) partial of each of its channels: pass 1
-  // takes the exact sums of x and max |x| per column, pass 2 (block in
-  // cache) the exact sums of (x - centre)^2. A channel is `span` adjacent
-  // columns (Blocks::segments; 1 otherwise), its column sums added in
-  // float64 (segment_total).
+  // The block's (count, mean, m2) partial of each of its channels. A channel
+  // is `span` adjacent columns (Blocks::segments; 1 otherwise), its column
+  // sums added in float64 (segment_total). Tall blocks take one pass unless
+  // a channel's centre turns out too far from its mean; others, and those,
+  // two.
   static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out,
                     int64_t span = 1) {
+    if (one_pass(e, blk) && shifted_stats(x, e, blk, out, span, true)) return;
+    shifted_stats(x, e, blk, out, span, false);
+  }
+
+  // Blocks of this many rows or more take one pass: the second pass's read
+  // of the block, from L2 (1 MB of float32 a block: partition.h), was a fifth
+  // of a 4096x1024 float32 forward. Against two passes (2 threads, Zen 4, in
+  // one process alternating, two processes): forward 0.80x-0.93x the time on
+  // 4096x1024 (float32, float16, bfloat16, float64), 512x2048, 256x4096 and
+  // channels_last 32x64x56x56 .. 32x2048x7x7 float32, 32x2048x7x7 float16;
+  // level on 32x256x56x56 and 32x512x28x28 float32, whose blocks of 256
+  // and 128 columns are small. Half precision's row walk (stats_walk_rows)
+  // keeps two.
+  static constexpr int64_t kOnePassRows = 128;
+  static bool one_pass(const Extent& e, const Block& blk) {
+    return blk.o1 - blk.o0 >= kOnePassRows && !stats_walk_rows(e, blk);
+  }
+
+  // The rows whose mean is one pass's centre: about a sixth of a deviation
+  // from the block's mean on normal data, so a centre is too far (more than
+  // one deviation: close_centre) about once in 10^8 channels.
+  static constexpr int64_t kCentreRows = 32;
+
+  // The block's partials from the exact sums of d = x - centre and of d^2
+  // (math::shifted_moments): the centre exact_centre of the mean of the
+  // block's first kCentreRows rows and one pass over the block, or of the
+  // whole block's mean and a second pass (block in cache). One pass: false
+  // where a channel's centre is not close (the slot part written).
+  static bool shifted_stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out,
+                            int64_t span, bool one_pass) {
     const int64_t nc = blk.s1 - blk.s0;
-    const double rows = static_cast<double>(blk.o1 - blk.o0);
+    alignas(64) acc_t centre[kColumnBlock];
+    Block first = blk;
+    if (one_pass) first.o1 = blk.o0 + kCentreRows;
+    block_centres(x, e, first, span, centre);
+    ColumnSums sd(nc), sd2(nc);
+    shifted_squares_pass(x, e, blk, centre, /*from_memory=*/one_pass, sd, sd2);
+    const double count = static_cast<double>(blk.o1 - blk.o0) * static_cast<double>(span);
+    if (span == 1) return column_moments(count, centre, sd, sd2, nc, blk, out, one_pass);
+    const int64_t k0 = blk.s0 / span;
+    for (int64_t i = 0, j = 0; j < nc; ++i, j += span) {
+      const double sum_d = segment_total(sd, j, span), sum_d2 = segment_total(sd2, j, span);
+      if (one_pass && !close_centre(count, sum_d, sum_d2)) return false;
+      math::Moments<double> m = math::shifted_moments(count, static_cast<double>(centre[j]), sum_d, sum_d2);
+      if (std::isinf(centre[j])) m.mean = centre[j];  // see infinite_mean
+      out.set(k0 + i, blk.slot, m);
+    }
+    return true;
+  }
+
+  // A centre that is infinite is the mean itself (exact_centre: sums of x
+  // with an infinity in them), which d = x - centre would turn into NaN:
+  // the mean stays infinite, as torch's does.
+  static VecD infinite_mean(const VecD& mean, const VecD& centre) {
+    return VecD::blendv(mean, centre, centre.abs() == VecD(kInfinity));
+  }
+
+  // Whether moments from sums about a centre keep all but one bit of m2: m2
+  // = sum_d2 - count * offset^2, offset the mean's distance from the centre,
+  // loses a bit for each doubling of sum_d2 / m2, so the centre is close
+  // where count * offset^2 <= sum_d2 / 2 (offset^2 at most the variance) and
+  // the sums are finite. On lanes, each lane's bits set where so.
+  static VecD close_centre(const VecD& count, const VecD& sum_d, const VecD& sum_d2) {
+    return (sum_d * (sum_d / count) <= VecD(0.5) * sum_d2) & (sum_d2 < VecD(kInfinity));
+  }
+  static bool close_centre(double count, double sum_d, double sum_d2) {
+    return sum_d * (sum_d / count) <= 0.5 * sum_d2 && sum_d2 < kInfinity;
+  }
+  static constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+  // Each channel's exact_centre, for each of its columns (and zero in the
+  // partial chunk's lanes past the block), from the exact sums of the rows
+  // of `rows` and their max |x|. The centre is a multiple of the data type's
+  // spacing (not acc_t's), so that d = x - centre has no more bits than x
+  // and a half-precision run of d sums as exactly as a run of x: the mean
+  // comes from sum(d) (acc_t's centre made the float16 and bfloat16 means
+  // of 16x4x64x64 channels_last ten times less accurate than native's).
+  static void block_centres(const T* x, const Extent& e, const Block& rows, int64_t span, acc_t* centre) {
+    const int64_t nc = rows.s1 - rows.s0;
+    const double count = static_cast<double>(rows.o1 - rows.o0) * static_cast<double>(span);
     ColumnSums sx(nc);
     alignas(64) acc_t max_abs[kColumnBlock];
-    alignas(64) acc_t centre[kColumnBlock];
-    alignas(64) double sum_x[kColumnBlock];  // per channel (segment) of the block
     std::fill(max_abs, max_abs + padded(nc), acc_t(0));
-    sum_max_pass(x, e, blk, sx, max_abs);
-    const double count = rows * static_cast<double>(span);
+    sum_max_pass(x, e, rows, sx, max_abs);
     if (span == 1) {
-      column_centres(sx, max_abs, count, nc, sum_x, centre);
+      column_centres(sx, max_abs, count, nc, centre);
     } else {
-      // i: the block's i-th channel, columns [j, j + span) (no division a column).
-      for (int64_t i = 0, j = 0; j < nc; ++i, j += span) {
-        sum_x[i] = segment_total(sx, j, span);
-        const acc_t c = exact_centre<acc_t>(sum_x[i] / count, *std::max_element(max_abs + j, max_abs + j + span));
+      for (int64_t j = 0; j < nc; j += span) {
+        const double max_abs_j = *std::max_element(max_abs + j, max_abs + j + span);
+        const auto c = static_cast<acc_t>(exact_centre<T>(segment_total(sx, j, span) / count, max_abs_j));
         std::fill(centre + j, centre + j + span, c);
       }
     }
-    std::fill(centre + nc, centre + padded(nc), acc_t(0));  // the partial chunk's lanes past the block
-    ColumnSums sd(nc);
-    squares_pass(x, e, blk, centre, sd);
-    if (span == 1) {
-      column_moments(count, sum_x, centre, sd, nc, blk, out);
-      return;
-    }
-    const int64_t k0 = blk.s0 / span;
-    for (int64_t i = 0, j = 0; j < nc; ++i, j += span)
-      out.set(k0 + i, blk.slot, math::centred_moments<double>(count, sum_x[i], centre[j], segment_total(sd, j, span)));
+    std::fill(centre + nc, centre + padded(nc), acc_t(0));
   }
 
   // The per-column work of stats (one column a channel) a vector of float64
   // lanes at a time, lane for lane the values of the one-channel forms: on layers of
   // many channels and few rows, one column at a time, it is most of the
-  // statistics' time (exact_centre and centred_moments of a 2x4096 float32
+  // statistics' time (exact_centre and the moments of a 2x4096 float32
   // forward). Columns [j, j + n) of acc_t (or float64) arrays as
   // lanes, the lanes past n zero.
   template <typename A>
@@ -78,40 +146,42 @@ struct RowStatistics : RowWalk<T> {
     return column_lanes(s.sum, j, n) + column_lanes(s.err, j, n);  // ColumnSums::value, lane for lane
   }
 
-  // Pass 1's sums and each column's centre (exact_centre) from them.
-  static void column_centres(const ColumnSums& sx, const acc_t* max_abs, double count, int64_t nc, double* sum_x,
-                             acc_t* centre) {
+  // Each column's centre (exact_centre) from its sum of `count` values.
+  static void column_centres(const ColumnSums& sx, const acc_t* max_abs, double count, int64_t nc, acc_t* centre) {
     for (int64_t j = 0; j < nc; j += kLanes) {
       const int64_t n = std::min(kLanes, nc - j);
-      const VecD sum = column_sums(sx, j, n);
       alignas(64) double c[kLanes];
-      exact_centre_lanes<acc_t>(sum / VecD(count), column_lanes(max_abs, j, n)).store(c);
-      sum.store(sum_x + j, static_cast<int>(n));
+      exact_centre_lanes<T>(column_sums(sx, j, n) / VecD(count), column_lanes(max_abs, j, n)).store(c);
       for (int64_t l = 0; l < n; ++l) centre[j + l] = static_cast<acc_t>(c[l]);
     }
   }
 
-  // The block's partials (count, mean, m2) of its columns, into their slot.
-  static void column_moments(double count, const double* sum_x, const acc_t* centre, const ColumnSums& sd, int64_t nc,
-                             const Block& blk, Partials<math::Moments<double>>& out) {
+  // The block's partials (count, mean, m2) of its columns, into their slot,
+  // from the sums of d = x - centre and of d^2; `checked`: false (the slot
+  // part written) where a column's centre is not close (close_centre).
+  static bool column_moments(double count, const acc_t* centre, const ColumnSums& sd, const ColumnSums& sd2,
+                             int64_t nc, const Block& blk, Partials<math::Moments<double>>& out, bool checked) {
     double* counts = out.field(blk.slot, 0) + blk.s0;
     double* means = out.field(blk.slot, 1) + blk.s0;
     double* m2s = out.field(blk.slot, 2) + blk.s0;
     for (int64_t j = 0; j < nc; j += kLanes) {
       const int n = static_cast<int>(std::min(kLanes, nc - j));
-      const math::Moments<VecD> m = math::centred_moments<VecD>(
-          VecD(count), column_lanes(sum_x, j, n), column_lanes(centre, j, n), column_sums(sd, j, n));
+      const VecD sum_d = column_sums(sd, j, n), sum_d2 = column_sums(sd2, j, n);
+      if (checked && close_centre(VecD(count), sum_d, sum_d2).zero_mask() != 0) return false;
+      const VecD c = column_lanes(centre, j, n);
+      const math::Moments<VecD> m = math::shifted_moments<VecD>(VecD(count), c, sum_d, sum_d2);
       m.count.store(counts + j, n);
-      m.mean.store(means + j, n);
+      infinite_mean(m.mean, c).store(means + j, n);
       m.m2.store(m2s + j, n);
     }
+    return true;
   }
 
   // The walk of both statistics passes: for each run of kRowRun rows, each
   // group of chunks (the partial chunk last: row_walk.h) gets
   // chunk(j, group, r0, r1), which sums the run's rows of it in registers.
-  // `from_memory` (pass 1): each group first requests its columns of the
-  // next run's rows.
+  // `from_memory` (a block's first pass): each group first requests its
+  // columns of the next run's rows.
   template <typename Chunk>
   static void for_runs(const T* x, const Extent& e, const Block& blk, bool from_memory, const Chunk& chunk) {
     const int64_t C = e.channels;
@@ -216,15 +286,35 @@ struct RowStatistics : RowWalk<T> {
     });
   }
 
-  // Statistics pass 2 over the block: exact sums of (x - centre)^2 per column.
-  static void squares_pass(const T* x, const Extent& e, const Block& blk, const acc_t* centre, ColumnSums& sd) {
-    column_pass(
-        x, e, blk, /*from_memory=*/false, centre,
-        [](Vec& a, Vec& c, const Vec& v) {
-          const Vec d = v - c;
-          a = at::vec::fmadd(d, d, a);
-        },
-        [&](int64_t j, const Vec& a, const Vec&) { sd.add_nonnegative(j, a); });
+  // The exact sums of d = x - centre and of d^2 per column (plain runs of
+  // kRowRun rows, each added exactly): the one pass (from memory) or the
+  // second.
+  static void shifted_squares_pass(const T* x, const Extent& e, const Block& blk, const acc_t* centre,
+                                   bool from_memory, ColumnSums& sd, ColumnSums& sd2) {
+    const T* base = x + blk.s0;
+    const int64_t C = e.channels;
+    for_runs(x, e, blk, from_memory, [&](int64_t j, auto group, int64_t r0, int64_t r1) {
+      constexpr int N = decltype(group)::value * P;
+      Vec s[N], q[N], c[N];
+      for (int i = 0; i < N; ++i) {
+        s[i] = Vec(acc_t(0));
+        q[i] = Vec(acc_t(0));
+        c[i] = Vec::loadu(centre + j + i * W);
+      }
+      for (int64_t o = r0; o < r1; ++o) {
+        Vec v[N];
+        load_group(base + o * C + j, group, v);
+        for (int i = 0; i < N; ++i) {
+          const Vec d = v[i] - c[i];
+          s[i] = s[i] + d;
+          q[i] = at::vec::fmadd(d, d, q[i]);
+        }
+      }
+      for (int i = 0; i < N; ++i) {
+        sd.add(j + i * W, s[i]);
+        sd2.add_nonnegative(j + i * W, q[i]);
+      }
+    });
   }
 };
 
