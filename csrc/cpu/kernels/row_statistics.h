@@ -30,32 +30,37 @@ struct RowStatistics : RowWalk<T> {
   // two.
   static void stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out,
                     int64_t span = 1) {
-    if (one_pass(e, blk) && shifted_stats(x, e, blk, out, span, true)) return;
+    if (one_pass(e, blk, span) && shifted_stats(x, e, blk, out, span, true)) return;
     shifted_stats(x, e, blk, out, span, false);
   }
 
-  // Blocks of this many rows or more take one pass: the second pass's read
-  // of the block, from L2 (1 MB of float32 a block: partition.h), was a fifth
-  // of a 4096x1024 float32 forward. Against two passes (2 threads, Zen 4, in
-  // one process alternating, two processes): forward 0.80x-0.93x the time on
-  // 4096x1024 (float32, float16, bfloat16, float64), 512x2048, 256x4096 and
-  // channels_last 32x64x56x56 .. 32x2048x7x7 float32, 32x2048x7x7 float16;
-  // level on 32x256x56x56 and 32x512x28x28 float32, whose blocks of 256
-  // and 128 columns are small. Half precision's row walk (stats_walk_rows)
-  // keeps two.
-  static constexpr int64_t kOnePassRows = 128;
-  static bool one_pass(const Extent& e, const Block& blk) {
-    return blk.o1 - blk.o0 >= kOnePassRows && !stats_walk_rows(e, blk);
+  // Blocks of four heads or more (centre_rows) take one pass: the second
+  // pass's read of the block, from L2 (1 MB of float32 a block: partition.h),
+  // was a fifth of a 4096x1024 float32 forward. Against two passes (2
+  // threads, Zen 4, in one process alternating, two processes): forward
+  // 0.80x-0.93x the time on 4096x1024 (float32, float16, bfloat16, float64),
+  // 512x2048, 256x4096 and channels_last 32x64x56x56 .. 32x2048x7x7 float32,
+  // 32x2048x7x7 float16; level on 32x256x56x56 and 32x512x28x28 float32,
+  // whose blocks of 256 and 128 columns are small. NCHW 7x7 planes at batch
+  // 32 (segment rows, blocks of 32 rows, heads of 8) 0.84x-0.90x, where the
+  // same path read both ways took 0.95x-0.98x; at batch 16 with heads of half
+  // the block, no gain beyond that. Half precision's row walk
+  // (stats_walk_rows) keeps two.
+  static bool one_pass(const Extent& e, const Block& blk, int64_t span) {
+    return blk.o1 - blk.o0 >= 4 * centre_rows(span) && !stats_walk_rows(e, blk);
   }
 
-  // The rows whose mean is one pass's centre: about a sixth of a deviation
-  // from the block's mean on normal data, so a centre is too far (more than
-  // one deviation: close_centre) about once in 10^8 channels.
-  static constexpr int64_t kCentreRows = 32;
+  // The rows of a block's head, whose mean is one pass's centre: whole runs
+  // holding kCentreValues values of each channel (32 rows of one column, 8
+  // of a 7x7 plane's segment). A mean of 32 values lies about a sixth of a
+  // deviation from the block's mean on normal data, so a centre is too far
+  // (more than one deviation: close_centre) about once in 10^8 channels.
+  static constexpr int64_t kCentreValues = 32;
+  static int64_t centre_rows(int64_t span) { return ceil_div(ceil_div(kCentreValues, span), kRowRun) * kRowRun; }
 
   // The block's partials from the exact sums of d = x - centre and of d^2
   // (math::shifted_moments): the centre exact_centre of the mean of the
-  // block's first kCentreRows rows and one pass over the block, or of the
+  // block's head (centre_rows) and one pass over the block, or of the
   // whole block's mean and a second pass (block in cache). One pass: false
   // where a channel's centre is not close (the slot part written).
   static bool shifted_stats(const T* x, const Extent& e, const Block& blk, Partials<math::Moments<double>>& out,
@@ -63,7 +68,7 @@ struct RowStatistics : RowWalk<T> {
     const int64_t nc = blk.s1 - blk.s0;
     alignas(64) acc_t centre[kColumnBlock];
     Block first = blk;
-    if (one_pass) first.o1 = blk.o0 + kCentreRows;
+    if (one_pass) first.o1 = blk.o0 + centre_rows(span);
     block_centres(x, e, first, span, centre);
     ColumnSums sd(nc), sd2(nc);
     shifted_squares_pass(x, e, blk, centre, /*from_memory=*/one_pass, sd, sd2);
