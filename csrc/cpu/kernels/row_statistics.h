@@ -87,7 +87,7 @@ struct RowStatistics : RowWalk<T> {
 
   // A centre that is infinite is the mean itself (exact_centre: sums of x
   // with an infinity in them), which d = x - centre would turn into NaN:
-  // the mean stays infinite, as torch's does.
+  // the block's mean stays infinite, as it is from sum(x).
   static VecD infinite_mean(const VecD& mean, const VecD& centre) {
     return VecD::blendv(mean, centre, centre.abs() == VecD(kInfinity));
   }
