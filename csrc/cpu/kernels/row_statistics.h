@@ -79,7 +79,7 @@ struct RowStatistics : RowWalk<T> {
       const double sum_d = segment_total(sd, j, span), sum_d2 = segment_total(sd2, j, span);
       if (one_pass && !close_centre(count, sum_d, sum_d2)) return false;
       math::Moments<double> m = math::shifted_moments(count, static_cast<double>(centre[j]), sum_d, sum_d2);
-      if (std::isinf(centre[j])) m.mean = centre[j];  // see infinite_mean
+      m.mean = infinite_mean(m.mean, static_cast<double>(centre[j]));
       out.set(k0 + i, blk.slot, m);
     }
     return true;
@@ -91,6 +91,7 @@ struct RowStatistics : RowWalk<T> {
   static VecD infinite_mean(const VecD& mean, const VecD& centre) {
     return VecD::blendv(mean, centre, centre.abs() == VecD(kInfinity));
   }
+  static double infinite_mean(double mean, double centre) { return std::isinf(centre) ? centre : mean; }
 
   // Whether moments from sums about a centre keep all but one bit of m2: m2
   // = sum_d2 - count * offset^2, offset the mean's distance from the centre,
@@ -101,7 +102,7 @@ struct RowStatistics : RowWalk<T> {
     return (sum_d * (sum_d / count) <= VecD(0.5) * sum_d2) & (sum_d2 < VecD(kInfinity));
   }
   static bool close_centre(double count, double sum_d, double sum_d2) {
-    return sum_d * (sum_d / count) <= 0.5 * sum_d2 && sum_d2 < kInfinity;
+    return close_centre(VecD(count), VecD(sum_d), VecD(sum_d2)).zero_mask() == 0;
   }
   static constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
@@ -204,9 +205,10 @@ struct RowStatistics : RowWalk<T> {
   }
 
   // A statistics pass by chunks of columns (for_runs): each of a chunk's N
-  // column vectors has a sum a[q] from zero and a value c[q] loaded from
-  // `column`; add(a[q], c[q], v) takes each row's vector v, and then
-  // finish(j + q * W, a[q], c[q]) the run's results.
+  // column vectors has two sums a[q] and b[q] from zero and a value c[q]
+  // loaded from `column`; add(a[q], b[q], c[q], v) takes each row's vector
+  // v, and then finish(j + q * W, a[q], b[q], c[q]) the run's results (a
+  // pass that needs one sum leaves b alone, and the compiler drops it).
   template <typename Add, typename Finish>
   static void column_pass(const T* x, const Extent& e, const Block& blk, bool from_memory, const acc_t* column,
                           const Add& add, const Finish& finish) {
@@ -214,17 +216,18 @@ struct RowStatistics : RowWalk<T> {
     const int64_t C = e.channels;
     for_runs(x, e, blk, from_memory, [&](int64_t j, auto group, int64_t r0, int64_t r1) {
       constexpr int N = decltype(group)::value * P;
-      Vec a[N], c[N];
+      Vec a[N], b[N], c[N];
       for (int q = 0; q < N; ++q) {
         a[q] = Vec(acc_t(0));
+        b[q] = Vec(acc_t(0));
         c[q] = Vec::loadu(column + j + q * W);
       }
       for (int64_t o = r0; o < r1; ++o) {
         Vec v[N];
         load_group(base + o * C + j, group, v);
-        for (int q = 0; q < N; ++q) add(a[q], c[q], v[q]);
+        for (int q = 0; q < N; ++q) add(a[q], b[q], c[q], v[q]);
       }
-      for (int q = 0; q < N; ++q) finish(j + q * W, a[q], c[q]);
+      for (int q = 0; q < N; ++q) finish(j + q * W, a[q], b[q], c[q]);
     });
   }
 
@@ -237,11 +240,11 @@ struct RowStatistics : RowWalk<T> {
     }
     column_pass(
         x, e, blk, /*from_memory=*/true, max_abs,
-        [](Vec& a, Vec& mx, const Vec& v) {
+        [](Vec& a, Vec&, Vec& mx, const Vec& v) {
           a = a + v;
           mx = at::vec::clamp_min(v.abs(), mx);  // a plain max: see exact_centre
         },
-        [&](int64_t j, const Vec& a, const Vec& mx) {
+        [&](int64_t j, const Vec& a, const Vec&, const Vec& mx) {
           sx.add(j, a);
           mx.store(max_abs + j);
         });
@@ -296,30 +299,17 @@ struct RowStatistics : RowWalk<T> {
   // second.
   static void shifted_squares_pass(const T* x, const Extent& e, const Block& blk, const acc_t* centre,
                                    bool from_memory, ColumnSums& sd, ColumnSums& sd2) {
-    const T* base = x + blk.s0;
-    const int64_t C = e.channels;
-    for_runs(x, e, blk, from_memory, [&](int64_t j, auto group, int64_t r0, int64_t r1) {
-      constexpr int N = decltype(group)::value * P;
-      Vec s[N], q[N], c[N];
-      for (int i = 0; i < N; ++i) {
-        s[i] = Vec(acc_t(0));
-        q[i] = Vec(acc_t(0));
-        c[i] = Vec::loadu(centre + j + i * W);
-      }
-      for (int64_t o = r0; o < r1; ++o) {
-        Vec v[N];
-        load_group(base + o * C + j, group, v);
-        for (int i = 0; i < N; ++i) {
-          const Vec d = v[i] - c[i];
-          s[i] = s[i] + d;
-          q[i] = at::vec::fmadd(d, d, q[i]);
-        }
-      }
-      for (int i = 0; i < N; ++i) {
-        sd.add(j + i * W, s[i]);
-        sd2.add_nonnegative(j + i * W, q[i]);
-      }
-    });
+    column_pass(
+        x, e, blk, from_memory, centre,
+        [](Vec& a, Vec& b, const Vec& c, const Vec& v) {
+          const Vec d = v - c;
+          a = a + d;
+          b = at::vec::fmadd(d, d, b);
+        },
+        [&](int64_t j, const Vec& a, const Vec& b, const Vec&) {
+          sd.add(j, a);
+          sd2.add_nonnegative(j, b);
+        });
   }
 };
 
