@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace torch_bn_grad {
 
@@ -36,6 +37,13 @@ OutputCacheStats output_cache_stats();
 void set_output_cache_limit(int64_t bytes);
 // Frees every idle block (blocks in use are unaffected).
 void empty_output_cache();
+
+// The CUDA variants (config/cuda_variants.h): every name, those on, and the
+// set on (replacing the previous one; an unknown name raises c10::ValueError
+// and changes nothing).
+std::vector<std::string> cuda_variant_names();
+std::vector<std::string> cuda_variants_on();
+void set_cuda_variants(const std::vector<std::string>& names);
 
 // Makes the Autograd kernel of operator `op_name` (of this library) skip
 // autograd in C++ when a call records nothing, and otherwise call the Python

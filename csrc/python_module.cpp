@@ -6,6 +6,8 @@
 
 #include <exception>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "module_functions.h"
 
@@ -102,6 +104,50 @@ PyObject* register_python_autograd(PyObject*, PyObject* args) {
   });
 }
 
+// A tuple of str from `names`.
+PyObject* str_tuple(const std::vector<std::string>& names) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(names.size()));
+  if (tuple == nullptr) return nullptr;
+  for (size_t i = 0; i < names.size(); ++i) {
+    PyObject* name = PyUnicode_FromString(names[i].c_str());
+    if (name == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), name);
+  }
+  return tuple;
+}
+
+// `cuda_variant_names()` and `cuda_variants_on()`: tuples of names (config/cuda_variants.h).
+PyObject* cuda_variant_names(PyObject*, PyObject*) {
+  return raising_python_errors([] { return str_tuple(torch_bn_grad::cuda_variant_names()); });
+}
+
+PyObject* cuda_variants_on(PyObject*, PyObject*) {
+  return raising_python_errors([] { return str_tuple(torch_bn_grad::cuda_variants_on()); });
+}
+
+// `set_cuda_variants(names)`: a tuple or list of str, the variants on from now on.
+PyObject* set_cuda_variants(PyObject*, PyObject* arg) {
+  PyObject* seq = PySequence_Fast(arg, "set_cuda_variants: expected a sequence of str");
+  if (seq == nullptr) return nullptr;
+  std::vector<std::string> names;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char* name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+    if (name == nullptr) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    names.emplace_back(name);
+  }
+  Py_DECREF(seq);
+  return raising_python_errors([&]() -> PyObject* {
+    torch_bn_grad::set_cuda_variants(names);
+    Py_RETURN_NONE;
+  });
+}
+
 PyMethodDef methods[] = {
     {"cpu_kernel_isa", cpu_kernel_isa, METH_NOARGS,
      "Instruction set of the CPU kernels in use (DEFAULT, AVX2 or AVX512)."},
@@ -114,6 +160,9 @@ PyMethodDef methods[] = {
     {"empty_output_cache", empty_output_cache, METH_NOARGS, "Frees the CPU output cache's idle blocks."},
     {"register_python_autograd", register_python_autograd, METH_VARARGS,
      "Autograd kernel of an operator: below autograd in C++ when nothing is recorded, else a Python callable."},
+    {"cuda_variant_names", cuda_variant_names, METH_NOARGS, "Every CUDA variant's name."},
+    {"cuda_variants_on", cuda_variants_on, METH_NOARGS, "The CUDA variants on."},
+    {"set_cuda_variants", set_cuda_variants, METH_O, "Turns on exactly the named CUDA variants."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

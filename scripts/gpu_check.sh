@@ -4,12 +4,16 @@
 #
 #     OUT=/some/dir bash scripts/gpu_check.sh [STAGE...]
 #
-# Stages, in the order given (default: build gpu-tests bench other-tests):
+# Stages, in the order given (default: build gpu-tests variants bench other-tests):
 #   build        pip install --no-build-isolation -e . with the CUDA kernels, for this GPU's
 #                architecture only, then one forward on the GPU; skipped when an extension
 #                built in advance for this torch and Python (torch_bn_grad/_C*.so) already
 #                runs that forward
 #   gpu-tests    the tests that run on CUDA (every "cuda" case, tests/cuda/), 4 processes
+#   variants     benchmarks/variants.py: every CUDA variant (config.cuda_variants) against the
+#                default, interleaved in one process (op cases and the ResNet-50 step), then
+#                scripts/choose_variants.py's choice from those times and gpu-tests.xml
+#                (variants.json, variants_choice.json)
 #   host-cost    benchmarks/host_cost.py: host time and launches per call (torch.profiler)
 #   bench        python -m torch_bn_grad.bench --device cuda (ResNet-50 shapes at batch 32)
 #   models       the ResNet-50 training step (batch 64, 224x224, channels_last, eager and
@@ -33,7 +37,7 @@ OUT="${OUT:-/tmp/torch_bn_grad_gpu_check}"
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build gpu-tests bench other-tests)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build gpu-tests variants bench other-tests)
 export PYTHONUNBUFFERED=1  # logs stay complete up to the moment a time limit stops the run
 # The interpreter that holds torch: $PYTHON, else python, else python3 (some
 # machines have only python3). Not a symlink: a venv's python finds its
@@ -101,6 +105,9 @@ for spec in "${STAGES[@]}"; do
     case $stage in
         build) run_stage build build || break ;;  # nothing else can run without the extension
         gpu-tests) run_stage gpu-tests "${PYTEST[@]}" "${PARALLEL[@]}" -k "$GPU_TESTS" --junitxml="$OUT/gpu-tests.xml" ;;
+        variants) run_stage variants "$PY" benchmarks/variants.py --json "$OUT/variants.json" &&
+                  run_stage variants-choice "$PY" scripts/choose_variants.py "$OUT/variants.json" \
+                      --tests "$OUT/gpu-tests.xml" --json "$OUT/variants_choice.json" ;;
         host-cost) run_stage host-cost "$PY" benchmarks/host_cost.py --json "$OUT/host_cost.json" --trace "$OUT/traces" ;;
         # GPU kernels take microseconds to milliseconds: 0.05 s per measurement is thousands of runs.
         bench) run_stage bench "$PY" -m torch_bn_grad.bench --device cuda --full --min-run-time 0.05 \
@@ -120,7 +127,7 @@ for spec in "${STAGES[@]}"; do
         masked) run_stage masked "$PY" benchmarks/masked.py --device cuda --processes 3 --json "$OUT/masked.json" ;;
         profile) run_stage profile "$PY" benchmarks/profile_model.py --device cuda ;;
         other-tests) run_stage other-tests "${PYTEST[@]}" -k "not ($GPU_TESTS)" --junitxml="$OUT/other-tests.xml" ;;
-        *) echo "unknown stage: $stage (build, gpu-tests, host-cost, bench, models, models-graphs," \
+        *) echo "unknown stage: $stage (build, gpu-tests, variants, host-cost, bench, models, models-graphs," \
                 "models-reduce-overhead, masked, profile, other-tests)"; exit 2 ;;
     esac
 done

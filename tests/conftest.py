@@ -4,7 +4,8 @@ worker's share of the CPUs.
 A test that takes a ``device`` argument runs once per entry of
 ``support.reference.DEVICES``: on the CPU, and on CUDA where it is available.
 Where it is not, no CUDA case is generated (nothing is skipped), and
-``cuda/test_cuda.py``, whose tests all need a GPU, is not collected.
+``cuda/test_cuda.py`` and ``cuda/test_cuda_variants.py``, whose tests all need
+a GPU, are not collected.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from support.reference import DEVICES
 
-collect_ignore = [] if "cuda" in DEVICES else ["cuda/test_cuda.py"]
+collect_ignore = [] if "cuda" in DEVICES else ["cuda/test_cuda.py", "cuda/test_cuda_variants.py"]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

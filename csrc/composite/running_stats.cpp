@@ -17,6 +17,7 @@
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
+#include "config/cuda_variants.h"
 #include "library/operators.h"
 #include "cpu/kernels/kernel_table.h"
 #ifdef TORCH_BN_GRAD_WITH_CUDA
@@ -61,17 +62,9 @@ bool one_cuda_kernel_applies(const std::optional<at::Tensor>& running_mean,
   const auto dtype = mean.scalar_type();
   if (!mean.is_cuda() || !is_data_dtype(dtype) || accumulation_dtype(dtype) != dtype || !mean.is_contiguous())
     return false;
-  std::optional<at::ScalarType> buffers;
-  for (const auto* t : {&running_mean, &running_var}) {
-    if (!t->has_value()) continue;
-    const auto buffer = (*t)->scalar_type();
-    if ((*t)->device() != mean.device() || !is_data_dtype(buffer) || accumulation_dtype(buffer) != dtype ||
-        (buffers.has_value() && *buffers != buffer) || !(*t)->is_contiguous())
-      return false;
-    buffers = buffer;
-  }
   return variance.device() == mean.device() && variance.scalar_type() == dtype && variance.is_contiguous() &&
-         variance.numel() == mean.numel();
+         variance.numel() == mean.numel() &&
+         cuda::buffers_take_kernel(running_mean, running_var, mean.device(), dtype, mean.numel());
 }
 #endif
 
@@ -152,13 +145,33 @@ Outputs then_update(Outputs outputs, const at::Tensor& src, const std::optional<
   return outputs;
 }
 
+// The buffers a GPU's training forward of `plan` updates in its own kernels
+// (the fused_update variant), with the update's factor of its count; nullopt
+// for an empty batch, which updates nothing.
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+std::optional<cuda::RunningBuffers> fused_update_buffers(const ChannelPlan& plan, const OptionalTensor& running_mean,
+                                                         const OptionalTensor& running_var, double momentum) {
+  const int64_t count = plan.reduced_count();
+  if (count == 0 || plan.channels == 0) return std::nullopt;
+  return cuda::RunningBuffers{running_mean, running_var, bessel_factor(count), momentum};
+}
+#endif
+
 }  // namespace
 
 // The training forward (batch statistics), then the update: one call from
 // Python for an eager step (the update's own call from Python was a fifth of
-// a small layer's training forward on the CPU).
+// a small layer's training forward on the CPU). Under the fused_update
+// variant a GPU's forward kernels make the update themselves.
 Outputs3 batch_norm_forward_update(TBG_PARAMS(batch_norm_forward_update)) {
   check_running_stats_device(src, running_mean, running_var);
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+  if (src.is_cuda() && cuda_variant_on(CudaVariant::kFusedUpdate)) {
+    const ChannelPlan plan = check_forward_args(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format);
+    if (const auto buffers = fused_update_buffers(plan, running_mean, running_var, momentum))
+      if (auto done = cuda::forward_updating(plan, src, gamma, beta, epsilon, *buffers)) return *std::move(done);
+  }
+#endif
   return then_update(
       op::batch_norm_forward().call(src, gamma, beta, std::nullopt, std::nullopt, epsilon, data_format), src,
       running_mean, running_var, momentum);
@@ -167,6 +180,16 @@ Outputs3 batch_norm_forward_update(TBG_PARAMS(batch_norm_forward_update)) {
 // The fused forward's two entries, likewise.
 Outputs3 batch_norm_act_forward_update(TBG_PARAMS(batch_norm_act_forward_update)) {
   check_running_stats_device(src, running_mean, running_var);
+#ifdef TORCH_BN_GRAD_WITH_CUDA
+  if (src.is_cuda() && cuda_variant_on(CudaVariant::kFusedUpdate)) {
+    const ActPlan checked = check_act_forward_args(src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon,
+                                                   activation, negative_slope, data_format);
+    if (const auto buffers = fused_update_buffers(checked.plan, running_mean, running_var, momentum))
+      if (auto done = cuda::act_forward_updating(checked, src, gamma, beta, residual, epsilon, negative_slope,
+                                                 *buffers))
+        return *std::move(done);
+  }
+#endif
   return then_update(op::batch_norm_act_forward().call(src, gamma, beta, std::nullopt, std::nullopt, residual,
                                                        epsilon, activation, negative_slope, data_format,
                                                        memory_saving),

@@ -21,6 +21,8 @@
 #include "cuda/epilogue.cuh"
 #include "cuda/forward.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/running_stats_cuda.h"
+#include "cuda/running_update.cuh"
 #include "library/signatures.h"
 #include "math/activation_math.h"
 #include "math/batch_norm_math.h"
@@ -48,22 +50,43 @@ void frozen_forward_coefficients(ChannelIn mean, ChannelIn variance, ChannelIn g
   forward_coefficients(args);
 }
 
+// The fused forward of a checked plan; `running`: the fused_update variant's buffers.
+Outputs3 act_forward(const ActPlan& checked, const at::Tensor& src, const OptionalTensor& gamma,
+                     const OptionalTensor& beta, const OptionalTensor& mean, const OptionalTensor& variance,
+                     const OptionalTensor& residual, double epsilon, double negative_slope,
+                     const RunningUpdate& running = RunningUpdate{}) {
+  const at::Tensor r = to_kernel_layout(residual, checked.plan);
+  return forward_cuda(
+      checked.plan, src, gamma, beta, mean, variance, epsilon,
+      [&](auto type, const auto& run) {
+        using scalar_t = typename decltype(type)::type;
+        act::dispatch_activation(checked.kind, [&](auto activation_type) {
+          ForwardActEpilogue<scalar_t, decltype(activation_type)> ep{};
+          ep.r = data_or_null<scalar_t>(r);
+          ep.slope = static_cast<Acc<scalar_t>>(negative_slope);
+          run(ep);
+        });
+      },
+      running);
+}
+
 }  // namespace
 
 // memory_saving changes what autograd saves, not what the operator computes.
 Outputs3 batch_norm_act_forward_cuda(TBG_PARAMS(batch_norm_act_forward)) {
   const ActPlan checked = check_act_forward_args(src, gamma, beta, mean, variance, residual, epsilon, activation,
                                                  negative_slope, data_format);
-  const at::Tensor r = to_kernel_layout(residual, checked.plan);
-  return forward_cuda(checked.plan, src, gamma, beta, mean, variance, epsilon, [&](auto type, const auto& run) {
-    using scalar_t = typename decltype(type)::type;
-    act::dispatch_activation(checked.kind, [&](auto activation_type) {
-      ForwardActEpilogue<scalar_t, decltype(activation_type)> ep{};
-      ep.r = data_or_null<scalar_t>(r);
-      ep.slope = static_cast<Acc<scalar_t>>(negative_slope);
-      run(ep);
-    });
-  });
+  return act_forward(checked, src, gamma, beta, mean, variance, residual, epsilon, negative_slope);
+}
+
+std::optional<Outputs3> act_forward_updating(const ActPlan& checked, const at::Tensor& src,
+                                             const OptionalTensor& gamma, const OptionalTensor& beta,
+                                             const OptionalTensor& residual, double epsilon, double negative_slope,
+                                             const RunningBuffers& buffers) {
+  const std::optional<RunningUpdate> running = running_update_for(checked.plan, src, buffers);
+  if (!running) return std::nullopt;
+  return act_forward(checked, src, gamma, beta, std::nullopt, std::nullopt, residual, epsilon, negative_slope,
+                     *running);
 }
 
 Outputs4 batch_norm_act_backward_cuda(TBG_PARAMS(batch_norm_act_backward)) {

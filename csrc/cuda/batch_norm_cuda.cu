@@ -13,12 +13,15 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "dtypes.h"
 #include "args/batch_norm_args.h"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/forward.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/running_stats_cuda.h"
+#include "cuda/running_update.cuh"
 #include "library/signatures.h"
 #include "math/batch_norm_math.h"
 
@@ -28,6 +31,14 @@ Outputs3 batch_norm_forward_cuda(TBG_PARAMS(batch_norm_forward)) {
   const ChannelPlan plan = check_forward_args(src, gamma, beta, mean, variance, epsilon, data_format);
   return forward_cuda(plan, src, gamma, beta, mean, variance, epsilon,
                       [](auto, const auto& run) { run(PlainEpilogue{}); });
+}
+
+std::optional<Outputs3> forward_updating(const ChannelPlan& plan, const at::Tensor& src, const OptionalTensor& gamma,
+                                         const OptionalTensor& beta, double epsilon, const RunningBuffers& buffers) {
+  const std::optional<RunningUpdate> running = running_update_for(plan, src, buffers);
+  if (!running) return std::nullopt;
+  return forward_cuda(plan, src, gamma, beta, std::nullopt, std::nullopt, epsilon,
+                      [](auto, const auto& run) { run(PlainEpilogue{}); }, *running);
 }
 
 Outputs3 batch_norm_backward_cuda(TBG_PARAMS(batch_norm_backward)) {

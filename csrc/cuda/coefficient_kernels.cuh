@@ -11,6 +11,7 @@
 #include "math/batch_norm_math.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/channel_values.cuh"
+#include "cuda/running_update.cuh"
 #include "cuda/thread_states.cuh"
 
 namespace torch_bn_grad::cuda {
@@ -45,6 +46,9 @@ struct ForwardCoefficientArgs {
   double epsilon;
   int64_t channels;
   A* variance_out;  // batch statistics only
+  // Batch statistics only: the running buffers updated with them
+  // (fused_update); none by default.
+  RunningUpdate running;
   // mean (the batch statistic returned), x_scale = scale and bias = shift
   // (math::channel_affine of math::forward_coefficients); no dy_scale.
   AffineOutputs<A> affine;
@@ -57,7 +61,10 @@ __device__ __forceinline__ void store_forward_coefficients(const ForwardCoeffici
   const double gamma = a.gamma.at(k, 1.0);
   const double beta = a.beta.at(k, 0.0);
   if (a.variance_out != nullptr) a.variance_out[k] = static_cast<A>(variance);
-  a.affine.store(k, math::channel_affine<A>(mean, math::forward_coefficients(variance, gamma, beta, a.epsilon)));
+  const math::ChannelAffine<A> c = math::channel_affine<A>(mean, math::forward_coefficients(variance, gamma, beta, a.epsilon));
+  a.affine.store(k, c);
+  // The update takes the statistics as the forward returns them.
+  if (a.running.wanted()) a.running.apply(k, c.mean, static_cast<A>(variance));
 }
 
 // kGroup threads a channel (block_reduce.cuh's merge_channel).

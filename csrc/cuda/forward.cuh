@@ -18,6 +18,7 @@
 #include "cuda/channel_values.cuh"
 #include "cuda/coefficient_kernels.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/running_update.cuh"
 
 namespace torch_bn_grad::cuda {
 
@@ -31,12 +32,14 @@ struct TypeTag {
 using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // `with_epilogue(TypeTag<scalar_t>{}, f)` calls f(ep) once, with the
-// epilogue of data type scalar_t.
+// epilogue of data type scalar_t. `running` (batch statistics only; the
+// fused_update variant) names buffers the coefficient or persistent kernel
+// updates with the batch's statistics.
 template <typename WithEpilogue>
 ForwardResult forward_cuda(const ChannelPlan& plan, const at::Tensor& src, const std::optional<at::Tensor>& gamma,
                            const std::optional<at::Tensor>& beta, const std::optional<at::Tensor>& mean,
                            const std::optional<at::Tensor>& variance, double epsilon,
-                           const WithEpilogue& with_epilogue) {
+                           const WithEpilogue& with_epilogue, const RunningUpdate& running = RunningUpdate{}) {
   const c10::cuda::CUDAGuard guard(src.device());
   const auto acc = accumulation_dtype(src.scalar_type());
   const Extent e = plan.extent();
@@ -64,6 +67,7 @@ ForwardResult forward_cuda(const ChannelPlan& plan, const at::Tensor& src, const
       with_epilogue(TypeTag<scalar_t>{}, [&](const auto& ep) {
         if (batch_statistics) {
           args.variance_out = var_k.mutable_data_ptr<A>();
+          args.running = running;
           if (persistent_forward<scalar_t>(x, out.buffer, e, args, ep)) return;
         }
         Partials<Moments<double>> partials;  // these stay alive until the kernels are queued

@@ -5,10 +5,12 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 #include "dtypes.h"
-#include "math/batch_norm_math.h"
 #include "cuda/running_stats_cuda.h"
+#include "cuda/running_update.cuh"
 #include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
@@ -16,16 +18,10 @@ namespace {
 
 constexpr int kRunningThreads = 256;
 
-// a * b rounded on its own, as at::mul rounds it: nvcc would otherwise fuse
-// the product into lerp's subtraction.
-__device__ __forceinline__ float product(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double product(double a, double b) { return __dmul_rn(a, b); }
-
-// R: the running buffers' dtype; S = opmath(R): the batch statistics'. A
-// half-precision buffer is updated as the tensor arithmetic does it: the
-// product in S, rounded to R, then at::lerp computing in S. `count` (float64,
-// on the device), where given, decides the variance's factor and whether to
-// update at all, as _rules/running_stats.py's tensor arithmetic does.
+// R: the running buffers' dtype; S = opmath(R): the batch statistics'
+// (running_update.cuh's formula). `count` (float64, on the device), where
+// given, decides the variance's factor and whether to update at all, as
+// _rules/running_stats.py's tensor arithmetic does.
 template <typename R, typename S = at::opmath_type<R>>
 __global__ void __launch_bounds__(kRunningThreads)
     update_running_kernel(R* running_mean, R* running_var, const S* mean, const S* variance, int64_t channels,
@@ -37,13 +33,7 @@ __global__ void __launch_bounds__(kRunningThreads)
     if (!(n > 0.0)) return;
     factor = static_cast<S>(n > 1.0 ? n / (n - 1.0) : 1.0);
   }
-  const auto towards = [&](R running, S value) {
-    return static_cast<R>(math::lerp(static_cast<S>(running), static_cast<S>(static_cast<R>(value)), weight));
-  };
-  if (running_mean != nullptr) running_mean[k] = towards(running_mean[k], mean[k]);
-  if (running_var != nullptr) {
-    running_var[k] = towards(running_var[k], factor == S(1) ? variance[k] : product(variance[k], factor));
-  }
+  update_running_channel<R>(running_mean, running_var, k, mean[k], variance[k], factor, weight);
 }
 
 void launch_update(const at::Tensor* running_mean, const at::Tensor* running_var, const at::Tensor& mean,
@@ -64,6 +54,38 @@ void launch_update(const at::Tensor* running_mean, const at::Tensor* running_var
 }
 
 }  // namespace
+
+bool buffers_take_kernel(const OptionalTensor& running_mean, const OptionalTensor& running_var,
+                         const at::Device& device, at::ScalarType stats, int64_t channels) {
+  std::optional<at::ScalarType> buffers;
+  for (const auto* t : {&running_mean, &running_var}) {
+    if (!t->has_value()) continue;
+    const auto buffer = (*t)->scalar_type();
+    if ((*t)->device() != device || !is_data_dtype(buffer) || accumulation_dtype(buffer) != stats ||
+        (buffers.has_value() && *buffers != buffer) || !(*t)->is_contiguous() || (*t)->numel() != channels)
+      return false;
+    buffers = buffer;
+  }
+  return true;
+}
+
+std::optional<RunningUpdate> running_update_for(const ChannelPlan& plan, const at::Tensor& src,
+                                                const RunningBuffers& buffers) {
+  // The kernels write channel k of kernel order: the buffers' own order only where the orders agree.
+  if (plan.kept_kernel != plan.kept_logical ||
+      !buffers_take_kernel(buffers.running_mean, buffers.running_var, src.device(),
+                           accumulation_dtype(src.scalar_type()), plan.channels))
+    return std::nullopt;
+  RunningUpdate u;
+  for (const auto& [to, from] : {std::pair{&u.mean, &buffers.running_mean}, std::pair{&u.variance, &buffers.running_var}}) {
+    if (!from->has_value()) continue;
+    *to = (*from)->mutable_data_ptr();
+    u.type = *channel_type((*from)->scalar_type());
+  }
+  u.factor = buffers.factor;
+  u.momentum = buffers.momentum;
+  return u;
+}
 
 void update_running_stats(const at::Tensor* running_mean, const at::Tensor* running_var, const at::Tensor& mean,
                           const at::Tensor& variance, double factor, double momentum) {

@@ -38,7 +38,7 @@ def site(tmp_path_factory) -> Path:
     done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(site)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (extension,) = Path(torch_bn_grad.__file__).parent.glob("_C*.so")
+    extension = Path(torch_bn_grad._C.__file__)  # this Python's (a tree may hold another's beside it)
     shutil.copy2(extension, site / "torch_bn_grad" / extension.name)
     (site / "benchmarks").mkdir()
     (site / "benchmarks" / "__init__.py").write_text(

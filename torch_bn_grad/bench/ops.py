@@ -140,13 +140,15 @@ def copy_bandwidth(numel: int, dtype: torch.dtype, min_run_time: float, device: 
     return 2 * src.nbytes / (ms * 1e-3)
 
 
-def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+def in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """`t` in `layout` ("contiguous" or "channels_last"; tensors under 4-D stay contiguous)."""
     if layout == "contiguous" or t.dim() < 4:
         return t.contiguous()
     return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
 
 
-def _module_class(dim: int) -> type:
+def module_class(dim: int) -> type:
+    """torch's BatchNorm class of a `dim`-D input."""
     return {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[dim]
 
 
@@ -155,8 +157,8 @@ def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str, dev
     and the operator's minimal memory traffic."""
     g = torch.Generator(device=device).manual_seed(0)
     c = shape[1]
-    x = _layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
-    dy = _layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
+    x = in_layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
+    dy = in_layout(torch.randn(shape, generator=g, device=device).to(dtype), layout)
     w = torch.rand(c, generator=g, device=device) + 0.5
     b = torch.randn(c, generator=g, device=device)
     nbytes = x.nbytes
@@ -177,8 +179,8 @@ def make_case(shape: tuple, dtype: torch.dtype, layout: str, direction: str, dev
             dy, x, w, None, None, save_mean, save_invstd, True, 1e-5, mask)
         ours = lambda: torch_bn_grad.batch_norm_backward(x, dy, mean, var, w)  # noqa: E731
         return native, ours, 3 * nbytes
-    ref_module = _module_class(len(shape))(c).to(device, dtype)
-    our_module = torch_bn_grad.convert_batchnorm(_module_class(len(shape))(c).to(device, dtype))
+    ref_module = module_class(len(shape))(c).to(device, dtype)
+    our_module = torch_bn_grad.convert_batchnorm(module_class(len(shape))(c).to(device, dtype))
     xg = x.detach().requires_grad_()
 
     def step(module):

@@ -1,0 +1,29 @@
+// CUDA variants: code paths compiled into every CUDA build whose results or
+// speed a GPU has not yet confirmed, each off until asked for by name
+// (TORCH_BN_GRAD_CUDA_VARIANTS or torch_bn_grad.config.cuda_variants, which
+// sets this registry). The host code that plans a launch asks
+// cuda_variant_on(); a variant that a GPU run proves becomes the default
+// there and its switch is removed (docs/design.md, "CUDA variants").
+// Process-wide, read without a lock; built in CPU-only builds too, where no
+// code asks for a variant.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace torch_bn_grad {
+
+// Every variant: X(enumerator, name). The name is what users and the GPU
+// check (scripts/gpu_check.sh variants) call it.
+#define TBG_CUDA_VARIANTS(X) \
+  X(kFusedUpdate, "fused_update")  // running-statistics update in the training forward's kernels
+
+enum class CudaVariant : int {
+#define TBG_CUDA_VARIANT_ENUM(id, name) id,
+  TBG_CUDA_VARIANTS(TBG_CUDA_VARIANT_ENUM)
+#undef TBG_CUDA_VARIANT_ENUM
+};
+
+bool cuda_variant_on(CudaVariant variant);
+
+}  // namespace torch_bn_grad
