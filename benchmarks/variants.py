@@ -8,9 +8,10 @@ channels_last, float32, eager). One JSON for ``scripts/choose_variants.py``.
     python benchmarks/variants.py [--variants fused_update,...] [--rounds 5] [--min-run-time 0.02]
                                   [--dtypes float32,bfloat16,float16] [--no-model] [--json FILE]
 
-Each round times the default, then the variant (torch.utils.benchmark, which
-waits for the GPU around each timed block), on the same tensors and module; a
-case's speedup is the median over rounds of default / variant. The results are
+Each round times the default and the variant (torch.utils.benchmark, which
+waits for the GPU around each timed block; which goes first alternates), on
+the same tensors and module; a case's speedup is the median over rounds of
+default / variant. The results are
 bitwise equal (tests/cuda/test_cuda_variants.py): only the time differs.
 """
 
@@ -59,11 +60,18 @@ def _case(shape: tuple, dtype: torch.dtype, layout: str, direction: str) -> Call
     return lambda: torch.autograd.grad(module(xg), wrt, dy)
 
 
+def _order(variant: str, round_: int) -> list[tuple[str, frozenset]]:
+    """The two paths of a round, the first of them alternating round by round (a warm-up or
+    drift does not fall on one of them)."""
+    pair = [("default", frozenset()), ("variant", frozenset({variant}))]
+    return pair if round_ % 2 == 0 else pair[::-1]
+
+
 def _interleaved(fn: Callable[[], object], variant: str, rounds: int, min_run_time: float) -> dict:
     """Default and variant medians (ms) per round, alternating, and the median speedup."""
     times = {"default": [], "variant": []}
-    for _ in range(rounds):
-        for name, on in (("default", frozenset()), ("variant", frozenset({variant}))):
+    for r in range(rounds):
+        for name, on in _order(variant, r):
             config.cuda_variants = on
             fn()  # the plan and the allocator for this path
             times[name].append(_median_ms(fn, min_run_time))
@@ -90,8 +98,8 @@ def _model_step(variant: str, rounds: int, steps: int) -> dict:
         torch.cuda.synchronize()
 
     times = {"default": [], "variant": []}
-    for _ in range(rounds):
-        for name, on in (("default", frozenset()), ("variant", frozenset({variant}))):
+    for r in range(rounds):
+        for name, on in _order(variant, r):
             config.cuda_variants = on
             step()
             per_step = []
