@@ -1,7 +1,8 @@
 """The row kernels' statistics (``csrc/cpu/kernels/row_statistics.h``): blocks
 of four heads or more (a head: 32 rows, 8 of a 7x7 plane's segment rows) are
 summed in one pass about their head's mean, and summed again in two passes
-where that centre lies more than a deviation from a channel's mean. Mean and variance stay within one float32
+where that centre lies more than a deviation from a channel's mean (half
+precision of 12 MB or more too, whose first of two passes walks rows). Mean and variance stay within one float32
 ulp of the float64 reference, on every ISA copy, where the first rows are far
 from the rest (the centre refused: accepted, the variance of these cases is
 off by about four ulps) and on data far from zero (the moments come from the
@@ -35,10 +36,12 @@ worst = {
     "far first rows 4096x1024": case((4096, 1024), torch.float32, far_rows=32),
     "far first rows 1024x8x7x7 (segments)": case((1024, 8, 7, 7), torch.float32, far_rows=32),
     "far first rows 4096x64 bfloat16": case((4096, 64), torch.bfloat16, far_rows=32),
+    "far first rows 8192x1024 float16 (12 MB or more)": case((8192, 1024), torch.float16, far_rows=32),
     "far first rows 32x64x7x7 (segments, a head of 8 rows)": case((32, 64, 7, 7), torch.float32, far_rows=8),
     "offset 1000 4096x256": case((4096, 256), torch.float32, offset=1000.0),
     "offset 1000 64x16x32x32 channels_last": case((64, 16, 32, 32), torch.float32, offset=1000.0, channels_last=True),
     "offset 100 4096x128 float16": case((4096, 128), torch.float16, offset=100.0),
+    "offset 100 8192x1024 bfloat16 (12 MB or more)": case((8192, 1024), torch.bfloat16, offset=100.0),
     "offset 100 32x2048x7x7 float16 (segments)": case((32, 2048, 7, 7), torch.float16, offset=100.0),
 }
 print(json.dumps({"isa": torch_bn_grad.cpu_kernel_isa(), "worst": worst}))
