@@ -12,7 +12,7 @@
 #
 # The interpreter of that version comes from $PYTHON312 (any path), else
 # pyenv, else PATH. A virtual environment with that torch is made under
-# build/gpu-prebuild/ (ignored by git; about 6 GB with the CUDA wheels torch
+# build/gpu-prebuild/ (ignored by git; about 5 GB with the CUDA wheels torch
 # imports), and the extension is built there with the CUDA kernels for ARCH
 # and every CPU kernel copy (DEFAULT, AVX2, AVX512: the GPU host's CPU is
 # not known here). The result is one file in torch_bn_grad/, ignored by git,
