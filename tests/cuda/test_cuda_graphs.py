@@ -3,9 +3,10 @@ plain and fused, captured with ``torch.cuda.graph`` and replayed, gives bitwise
 the eager step's results (loss, parameters, running statistics); and the model
 runs under ``torch.compile(mode="reduce-overhead")`` (inductor's CUDA graph
 trees) with no graph skipped, bitwise equal to the same compiled model without
-CUDA graphs. (Compiled against eager: tests/compile/test_compile.py; five SGD steps
-at lr 0.1 drift further apart than a fixed tolerance, through the
-convolutions' own compiled code.)
+CUDA graphs. The capture runs with each CUDA variant on too. (Compiled
+against eager: tests/compile/test_compile.py; five SGD steps at lr 0.1 drift
+further apart than a fixed tolerance, through the convolutions' own compiled
+code.)
 
 Every step here allocates only through the caching allocator and never reads
 a device value on the host, which is what capture requires.
@@ -68,10 +69,22 @@ def _deterministic_convolutions():
         yield
 
 
+VARIANT_SETS = [frozenset()] + [frozenset({name}) for name in torch_bn_grad.config.cuda_variant_names()]
+
+
+@pytest.fixture(params=VARIANT_SETS, ids=lambda v: "+".join(sorted(v)) or "default")
+def variants(request):
+    """The CUDA variants on (docs/design.md, "CUDA variants"): none, then each alone."""
+    before = torch_bn_grad.config.cuda_variants
+    torch_bn_grad.config.cuda_variants = request.param
+    yield request.param
+    torch_bn_grad.config.cuda_variants = before
+
+
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
                          ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
-def test_captured_training_step_replays_bitwise_as_eager(fuse, memory_format):
+def test_captured_training_step_replays_bitwise_as_eager(fuse, memory_format, variants):
     eager = _model(fuse, memory_format)
     graphed = copy.deepcopy(eager)
     if fuse:
