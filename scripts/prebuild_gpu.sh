@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Builds the extension here, without a GPU, for a GPU machine whose torch and
-# Python are known, so that a short GPU lease starts with a working build:
+# Python are known, so that a short GPU run starts with a working build:
 #
 #     bash scripts/prebuild_gpu.sh            # torch 2.11.0 (CUDA 13.0), Python 3.12, sm_90
 #
 # TORCH (default 2.11.0), PYTHON_VERSION (default 3.12) and ARCH (default 9.0,
-# H100/H200) name the target; they are the lent H100/H200 machines' (docs/design.md,
-# "GPU windows"). PyPI's torch wheel of a release is the same build as the
+# H100/H200) name the target; they are the H100/H200 hosts' (docs/design.md,
+# "CUDA variants"). PyPI's torch wheel of a release is the same build as the
 # +cu130 one on download.pytorch.org (CUDA 13.0, cuDNN 9.19 for 2.11.0), so its
 # headers and libraries give the same C++ and CUDA ABI.
 #
