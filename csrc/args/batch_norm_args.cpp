@@ -59,14 +59,21 @@ void check_param_dtype(const char* op, const char* name, const at::Tensor& t,
   }
 }
 
+// `t` has the shape of `shape_of` (named `shape_name`) and, where `dtype_of`
+// is given, its dtype.
 void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
-                 const std::vector<int64_t>& stats_shape, const at::Tensor* first,
-                 const char* first_name) {
+                 const std::vector<int64_t>& stats_shape, const char* shape_name, const at::Tensor* dtype_of,
+                 const char* dtype_name_of) {
   check_same_device(op, name, t, src);
-  check_param_dtype(op, name, t, src, first, first_name);
+  check_param_dtype(op, name, t, src, dtype_of, dtype_name_of);
   TORCH_CHECK_VALUE(t.sizes().vec() == stats_shape, op, ": ", name, " must have shape ",
-                    c10::IntArrayRef(stats_shape), " (like ", first != nullptr ? first_name : "the statistics",
+                    c10::IntArrayRef(stats_shape), " (like ", shape_name != nullptr ? shape_name : "the statistics",
                     "), got ", t.sizes());
+}
+
+void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
+                 const std::vector<int64_t>& stats_shape, const at::Tensor* first, const char* first_name) {
+  check_param(op, name, t, src, stats_shape, first_name, first, first_name);
 }
 
 void check_src(const char* op, const at::Tensor& src, double epsilon, c10::string_view data_format) {
@@ -116,7 +123,9 @@ void check_stage_stats(const char* op, const char* name, const at::Tensor& t, co
 
 // The backward operators' per-channel arguments checked against the data:
 // mean (its shape decides the form), variance, gamma and beta when given;
-// then the plan.
+// then the plan. The statistics share a dtype and the parameters share one
+// (param_grad_dtype's), each by the parameter-dtype rule: a half-precision
+// model's parameters beside its float32 batch statistics need no casts.
 ChannelPlan check_backward_statistics(const char* op, const at::Tensor& data, const at::Tensor& mean,
                                       const at::Tensor& variance, const std::optional<at::Tensor>& gamma,
                                       const std::optional<at::Tensor>& beta, c10::string_view data_format) {
@@ -125,8 +134,10 @@ ChannelPlan check_backward_statistics(const char* op, const at::Tensor& data, co
   check_param_dtype(op, "mean", mean, data, nullptr, nullptr);
   const auto kept = kept_dims(op, data, &mean, "mean", data_format, stats_shape);
   check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
-  if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, &mean, "mean");
-  if (beta.has_value()) check_param(op, "beta", *beta, data, stats_shape, &mean, "mean");
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, "mean", nullptr, nullptr);
+  if (beta.has_value()) {
+    check_param(op, "beta", *beta, data, stats_shape, "mean", gamma.has_value() ? &*gamma : nullptr, "gamma");
+  }
   return build_plan(data, kept, std::move(stats_shape));
 }
 

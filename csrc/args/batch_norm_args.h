@@ -12,6 +12,7 @@
 #include <c10/util/string_view.h>
 
 #include <array>
+#include <optional>
 #include <tuple>
 #include <cstdint>
 #include <vector>
@@ -46,6 +47,14 @@ ChannelPlan check_backward_args(const at::Tensor& src, const at::Tensor& diff_ds
                                 const at::Tensor& mean, const at::Tensor& variance,
                                 const std::optional<at::Tensor>& gamma, double epsilon,
                                 c10::string_view data_format);
+
+// The dtype of a backward operator's diff_gamma and diff_beta: the
+// parameters' (gamma's, else beta's), else the statistics' (mean's).
+inline at::ScalarType param_grad_dtype(const at::Tensor& mean, const std::optional<at::Tensor>& gamma,
+                                       const std::optional<at::Tensor>& beta = std::nullopt) {
+  if (gamma.has_value()) return gamma->scalar_type();
+  return beta.has_value() ? beta->scalar_type() : mean.scalar_type();
+}
 
 // Validates the forward operator's arguments and returns the plan.
 ChannelPlan check_forward_args(const at::Tensor& src, const std::optional<at::Tensor>& gamma,
@@ -162,6 +171,7 @@ at::Tensor kernel_channels_result(const double* v, const ChannelPlan& plan, at::
 // for. Shared by the CPU and CUDA operators.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
     std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma,
-    const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data, const at::Tensor& mean);
+    const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data,
+    at::ScalarType grad_dtype);
 
 }  // namespace torch_bn_grad

@@ -145,10 +145,11 @@ at::Tensor from_kernel_channels(const at::Tensor& v, const ChannelPlan& plan, at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> act_backward_outputs(
     std::array<bool, 4> output_mask, const at::Tensor& diff_src, const at::Tensor& diff_gamma,
-    const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data, const at::Tensor& mean) {
+    const at::Tensor& diff_beta, const at::Tensor& diff_residual, const at::Tensor& data,
+    at::ScalarType grad_dtype) {
   return {output_mask[0] ? diff_src : at::empty({0}, data.options()),
-          output_mask[1] ? diff_gamma : at::empty({0}, mean.options()),
-          output_mask[2] ? diff_beta : at::empty({0}, mean.options()),
+          output_mask[1] ? diff_gamma : at::empty({0}, data.options().dtype(grad_dtype)),
+          output_mask[2] ? diff_beta : at::empty({0}, data.options().dtype(grad_dtype)),
           output_mask[3] ? diff_residual : at::empty({0}, data.options())};
 }
 

@@ -43,7 +43,7 @@ using torch::autograd::variable_list;
 
 at::Tensor or_undefined(const OptionalTensor& t) { return given(t) ? *t : at::Tensor(); }
 
-// Half-precision parameters meet float32 statistics: the fused operator takes one dtype.
+// A parameter in `dtype` (backward_param_dtype's), absent when undefined.
 OptionalTensor in_dtype(const at::Tensor& t, at::ScalarType dtype) {
   if (!t.defined()) return std::nullopt;
   return to_dtype(t, dtype);
@@ -89,11 +89,12 @@ struct ActForwardNode : public torch::autograd::Node {
                                       needs[5] && has_residual};
     if (!(mask[0] || mask[1] || mask[2] || mask[3])) return out;
     const at::Tensor m = mean.unpack(self), v = variance.unpack(self);
+    const at::ScalarType param_dtype = backward_param_dtype(g.defined() ? g : b, m);
     auto [diff_src, diff_gamma, diff_beta, diff_residual] = [&] {
       at::AutoDispatchBelowADInplaceOrView below_autograd;  // grad mode is off: nothing to record
       return op::batch_norm_act_backward().call(
           grads[0], optional(src.unpack(self)), optional(dst.unpack(self)), optional(residual.unpack(self)), m, v,
-          in_dtype(g, m.scalar_type()), in_dtype(b, m.scalar_type()), epsilon, activation, slope, data_format,
+          in_dtype(g, param_dtype), in_dtype(b, param_dtype), epsilon, activation, slope, data_format,
           training, memory_saving, mask, optional(dst_positive.unpack(self)));
     }();
     if (mask[0]) out[0] = diff_src;

@@ -57,14 +57,17 @@ Outputs5 batch_norm_forward_grad(TBG_PARAMS(batch_norm_forward_grad)) {
   const auto [need_src, need_gamma, need_beta, need_mean, need_variance] = output_mask;
   const bool frozen = !training;
   const at::Tensor dy = grad_dst.has_value() && grad_dst->defined() ? *grad_dst : at::zeros_like(src);
-  // Half-precision parameters meet float32 statistics: gamma in the statistics' dtype.
-  OptionalTensor gamma_in_stats_dtype = gamma;
+  // Half-precision parameters beside float32 statistics: gamma in its own dtype
+  // (backward_param_dtype), but in the statistics' where the frozen statistics'
+  // gradients are computed from diff_gamma and diff_beta.
+  const bool stats_grads = frozen && (need_mean || need_variance);
+  OptionalTensor gamma_in = gamma;
   if (gamma.has_value() && gamma->defined() && gamma->scalar_type() != mean.scalar_type()) {
-    gamma_in_stats_dtype = to_dtype(*gamma, mean.scalar_type());
+    gamma_in = to_dtype(*gamma, stats_grads ? mean.scalar_type() : backward_param_dtype(*gamma, mean));
   }
   const std::array<bool, 3> mask = {need_src, need_gamma || (frozen && need_variance),
                                     need_beta || (frozen && need_mean)};
-  auto [diff_src, diff_gamma, diff_beta] = call_backward_op(src, dy, mean, variance, gamma_in_stats_dtype,
+  auto [diff_src, diff_gamma, diff_beta] = call_backward_op(src, dy, mean, variance, gamma_in,
                                                             epsilon, data_format, training, mask);
   const bool has_grad_mean = grad_mean.has_value() && grad_mean->defined();
   const bool has_grad_variance = grad_variance.has_value() && grad_variance->defined();

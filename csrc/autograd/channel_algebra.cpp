@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "config/cuda_variants.h"
 #include "cpu/kernels/kernel_table.h"
 
 namespace torch_bn_grad {
@@ -60,6 +61,12 @@ at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
   if (!t.defined() || !dtype.has_value() || t.scalar_type() == *dtype) return t;
   return plain_cast_applies(t, *dtype) ? plain_cast(t, *dtype) : t.to(*dtype);
+}
+
+at::ScalarType backward_param_dtype(const at::Tensor& param, const at::Tensor& mean) {
+  if (!param.defined()) return mean.scalar_type();
+  if (param.is_cuda() && !cuda_variant_on(CudaVariant::kParamDtypeGrads)) return mean.scalar_type();
+  return param.scalar_type();
 }
 
 at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::string_view data_format) {

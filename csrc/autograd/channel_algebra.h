@@ -23,6 +23,13 @@ at::Tensor plus(const at::Tensor& a, const at::Tensor& b);
 // `t` in `dtype` (as it is when undefined, already of it, or no dtype given).
 at::Tensor to_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype);
 
+// The dtype the first-order formulas pass the parameters (gamma, beta) to a
+// backward operator in, beside statistics `mean`: their own, so that neither
+// they nor the gradients it returns in it are cast (a half-precision model's
+// parameters, float32 batch statistics); on CUDA the statistics' dtype (a cast
+// each way) unless the param_dtype_grads variant is on.
+at::ScalarType backward_param_dtype(const at::Tensor& param, const at::Tensor& mean);
+
 // Per-channel values of `stats` shaped to broadcast against `src`.
 at::Tensor broadcastable(const at::Tensor& stats, const at::Tensor& src, c10::string_view data_format);
 

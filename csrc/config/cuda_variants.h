@@ -15,8 +15,12 @@ namespace torch_bn_grad {
 
 // Every variant: X(enumerator, name). The name is what users and the GPU
 // check (scripts/gpu_check.sh variants) call it.
-#define TBG_CUDA_VARIANTS(X) \
-  X(kFusedUpdate, "fused_update")  // running-statistics update in the training forward's kernels
+// fused_update: the running-statistics update in the training forward's kernels.
+// param_dtype_grads: a half-precision model's parameters into the backward
+// kernels uncast, their gradients out in their dtype (autograd/channel_algebra.h).
+#define TBG_CUDA_VARIANTS(X)      \
+  X(kFusedUpdate, "fused_update") \
+  X(kParamDtypeGrads, "param_dtype_grads")
 
 enum class CudaVariant : int {
 #define TBG_CUDA_VARIANT_ENUM(id, name) id,

@@ -81,7 +81,7 @@ at::Tensor batch_norm_forward_frozen_cpu(TBG_PARAMS(batch_norm_forward_frozen)) 
 Outputs3 batch_norm_backward_cpu(TBG_PARAMS(batch_norm_backward)) {
   const ChannelPlan plan =
       check_backward_args(src, diff_dst, mean, variance, gamma, epsilon, data_format);
-  const auto stats_dtype = mean.scalar_type();
+  const auto grad_dtype = param_grad_dtype(mean, gamma);
   const int64_t C = plan.channels;
   // Per-channel float64 vectors: mean, variance, gamma, diff_gamma, diff_beta.
   // The kernel writes every channel's sums; zeroed only where it does not run
@@ -103,7 +103,8 @@ Outputs3 batch_norm_backward_cpu(TBG_PARAMS(batch_norm_backward)) {
     if (output_mask[0]) finish_kernel_output(out, plan);
   }
   const auto param_grad = [&](bool wanted, const double* sums) {
-    return wanted ? kernel_channels_result(sums, plan, stats_dtype, src) : at::empty({0}, mean.options());
+    return wanted ? kernel_channels_result(sums, plan, grad_dtype, src)
+                  : at::empty({0}, mean.options().dtype(grad_dtype));
   };
   return {output_mask[0] ? out.result : at::empty({0}, src.options()), param_grad(output_mask[1], diff_gamma_d),
           param_grad(output_mask[2], diff_beta_d)};

@@ -137,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_backward(
     const ChannelPlan& plan, const at::Tensor& src, const MaskedLayout& layout, const ValidPositions& valid,
     const at::Tensor& dy,
     const at::Tensor& mean, const at::Tensor& variance, const std::optional<at::Tensor>& gamma, double epsilon,
-    bool training, std::array<bool, 3> output_mask) {
+    bool training, std::array<bool, 3> output_mask, at::ScalarType grad_dtype) {
   const int64_t C = plan.channels;
   const MaskedView v = valid.view(layout);
   const std::vector<double> mean_d = channel_values(mean, plan, 0.0, src),
@@ -165,12 +165,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_backward(
       masked_kernel_table().backward_affine(layout.data, dy, diff_src, v, [&](int64_t c) { return k[c]; });
     }
   }
-  const auto stats_dtype = mean.scalar_type();
   return {output_mask[0] ? diff_src : at::empty({0}, src.options()),
-          output_mask[1] ? kernel_channels_result(diff_gamma.data(), plan, stats_dtype, src)
-                         : at::empty({0}, mean.options()),
-          output_mask[2] ? kernel_channels_result(diff_beta.data(), plan, stats_dtype, src)
-                         : at::empty({0}, mean.options())};
+          output_mask[1] ? kernel_channels_result(diff_gamma.data(), plan, grad_dtype, src)
+                         : at::empty({0}, mean.options().dtype(grad_dtype)),
+          output_mask[2] ? kernel_channels_result(diff_beta.data(), plan, grad_dtype, src)
+                         : at::empty({0}, mean.options().dtype(grad_dtype))};
 }
 
 }  // namespace
@@ -192,7 +191,7 @@ Outputs3 batch_norm_masked_backward_cpu(TBG_PARAMS(batch_norm_masked_backward)) 
   const MaskedLayout layout = masked_layout(src);
   const ValidPositions valid = valid_positions(mask, layout);
   return masked_backward(plan, src, layout, valid, to_masked_layout(diff_dst, layout), mean, variance, gamma, epsilon,
-                         training, output_mask);
+                         training, output_mask, param_grad_dtype(mean, gamma));
 }
 
 // The fused backward: dz = diff_dst * act'(z) at valid positions, 0 at padded
@@ -216,7 +215,7 @@ Outputs4 batch_norm_masked_act_backward_cpu(TBG_PARAMS(batch_norm_masked_act_bac
   }
   auto [diff_src, diff_gamma, diff_beta] = masked_backward(
       p.plan, src, layout, valid, dz, mean, variance, gamma, epsilon, training,
-      {output_mask[0], output_mask[1], output_mask[2]});
+      {output_mask[0], output_mask[1], output_mask[2]}, param_grad_dtype(mean, gamma, beta));
   return {diff_src, diff_gamma, diff_beta, output_mask[3] ? dz : at::empty({0}, src.options())};
 }
 

@@ -109,9 +109,9 @@ Outputs4 batch_norm_act_backward_cuda(TBG_PARAMS(batch_norm_act_backward)) {
   if (output_mask[3]) dz = make_kernel_output(data, plan);
   // The parameter gradients in the statistics' dtype, written by the kernel
   // where it can (channel_values.cuh): a small layer's call is mostly host time.
-  const auto stats_dtype = mean.scalar_type();
-  const ChannelResult dg = output_mask[1] ? channel_result(plan, stats_dtype, data) : ChannelResult{};
-  const ChannelResult db = output_mask[2] ? channel_result(plan, stats_dtype, data) : ChannelResult{};
+  const auto grad_dtype = param_grad_dtype(mean, gamma, beta);
+  const ChannelResult dg = output_mask[1] ? channel_result(plan, grad_dtype, data) : ChannelResult{};
+  const ChannelResult db = output_mask[2] ? channel_result(plan, grad_dtype, data) : ChannelResult{};
 
   if (e.channels > 0 && (need_pass || output_mask[1] || output_mask[2])) {
     const at::Tensor x = to_kernel_layout(data, plan);
@@ -198,10 +198,10 @@ Outputs4 batch_norm_act_backward_cuda(TBG_PARAMS(batch_norm_act_backward)) {
     if (need_pass && output_mask[3]) finish_kernel_output(dz, plan);
   }
   const auto param_grad = [&](bool wanted, const ChannelResult& grad) {
-    return wanted ? grad.finish(plan, stats_dtype, data) : at::Tensor();
+    return wanted ? grad.finish(plan, grad_dtype, data) : at::Tensor();
   };
   return act_backward_outputs(output_mask, dx.result, param_grad(output_mask[1], dg), param_grad(output_mask[2], db),
-                              dz.result, data, mean);
+                              dz.result, data, grad_dtype);
 }
 
 }  // namespace torch_bn_grad::cuda

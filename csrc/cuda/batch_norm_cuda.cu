@@ -51,11 +51,11 @@ Outputs3 batch_norm_backward_cuda(TBG_PARAMS(batch_norm_backward)) {
   const bool need_sums = training || output_mask[1] || output_mask[2];
   const bool need_diff_src = output_mask[0] && src.numel() > 0;
 
-  const auto stats_dtype = mean.scalar_type();
+  const auto grad_dtype = param_grad_dtype(mean, gamma);
   KernelOutput out;
   if (output_mask[0]) out = make_kernel_output(src, plan);
-  const ChannelResult dg = output_mask[1] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
-  const ChannelResult db = output_mask[2] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
+  const ChannelResult dg = output_mask[1] ? channel_result(plan, grad_dtype, src) : ChannelResult{};
+  const ChannelResult db = output_mask[2] ? channel_result(plan, grad_dtype, src) : ChannelResult{};
 
   if (e.channels > 0 && (need_diff_src || output_mask[1] || output_mask[2])) {
     const at::Tensor x = to_kernel_layout(src, plan);
@@ -91,8 +91,8 @@ Outputs3 batch_norm_backward_cuda(TBG_PARAMS(batch_norm_backward)) {
   }
 
   return {output_mask[0] ? out.result : at::empty({0}, src.options()),
-          output_mask[1] ? dg.finish(plan, stats_dtype, src) : at::empty({0}, mean.options()),
-          output_mask[2] ? db.finish(plan, stats_dtype, src) : at::empty({0}, mean.options())};
+          output_mask[1] ? dg.finish(plan, grad_dtype, src) : at::empty({0}, mean.options().dtype(grad_dtype)),
+          output_mask[2] ? db.finish(plan, grad_dtype, src) : at::empty({0}, mean.options().dtype(grad_dtype))};
 }
 
 }  // namespace torch_bn_grad::cuda

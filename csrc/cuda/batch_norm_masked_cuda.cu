@@ -256,9 +256,9 @@ Outputs3 batch_norm_masked_backward_cuda(TBG_PARAMS(batch_norm_masked_backward))
   const at::Tensor dy = to_masked_layout(diff_dst, layout);
   const ChannelValues mean_in = channel_values(mean, plan, src), var_in = channel_values(variance, plan, src),
                       gamma_in = channel_values(gamma, plan, src);
-  const auto stats_dtype = mean.scalar_type();
-  const ChannelResult diff_gamma = output_mask[1] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
-  const ChannelResult diff_beta = output_mask[2] ? channel_result(plan, stats_dtype, src) : ChannelResult{};
+  const auto grad_dtype = param_grad_dtype(mean, gamma);
+  const ChannelResult diff_gamma = output_mask[1] ? channel_result(plan, grad_dtype, src) : ChannelResult{};
+  const ChannelResult diff_beta = output_mask[2] ? channel_result(plan, grad_dtype, src) : ChannelResult{};
   at::Tensor diff_src = output_mask[0] ? masked_output(src, layout) : at::empty({0}, src.options());
   run_masked_pass(layout, valid, dy, diff_src, [&](auto* a, const auto* x, const auto& s, cudaStream_t stream) {
     using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
@@ -267,9 +267,9 @@ Outputs3 batch_norm_masked_backward_cuda(TBG_PARAMS(batch_norm_masked_backward))
         x, dy.const_data_ptr<scalar_t>(), valid.const_data_ptr<bool>(), s, mean_in.in, var_in.in, gamma_in.in,
         epsilon, training, diff_gamma.out, diff_beta.out, a);
   });
-  const auto absent = [&] { return at::empty({0}, mean.options()); };
-  return {diff_src, output_mask[1] ? diff_gamma.finish(plan, stats_dtype, src) : absent(),
-          output_mask[2] ? diff_beta.finish(plan, stats_dtype, src) : absent()};
+  const auto absent = [&] { return at::empty({0}, mean.options().dtype(grad_dtype)); };
+  return {diff_src, output_mask[1] ? diff_gamma.finish(plan, grad_dtype, src) : absent(),
+          output_mask[2] ? diff_beta.finish(plan, grad_dtype, src) : absent()};
 }
 
 }  // namespace torch_bn_grad::cuda

@@ -1,9 +1,9 @@
-"""A half-precision module's backward meets float32 statistics: the autograd
-nodes cast gamma (and, fused, beta) to float32 and the parameter gradients
-back, on the CPU without the dispatcher where nothing records the cast
-(channel_algebra.cpp, plain_cast). Those gradients must be bit for bit the
-ones Tensor.to gives: under a dispatch mode, which the fast cast declines,
-the same backward takes Tensor.to."""
+"""A half-precision module's backward meets float32 statistics: on the CPU the
+autograd nodes pass gamma (and, fused, beta) to the backward operators in its
+own dtype and take the parameter gradients in it, no casts
+(autograd/channel_algebra.h, backward_param_dtype). Those gradients must be
+bit for bit the ones the dispatcher's route gives: under a dispatch mode, which
+the fast paths decline."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def test_half_parameter_gradients_as_tensor_to(dtype, kind, channels):
         assert torch.equal(got.nan_to_num(), expected.nan_to_num())
 
 
-def test_double_backward_still_records_the_casts():
-    # Under create_graph the casts must stay differentiable (Tensor.to).
+def test_double_backward_of_half_parameters():
+    # Under create_graph the parameter gradient stays differentiable.
     m = _module("plain", 4, torch.bfloat16)
     x = torch.randn(3, 4, 2, 2).to(torch.bfloat16).requires_grad_()
     (gw,) = torch.autograd.grad(m(x).float().pow(2).sum(), (m.weight,), create_graph=True)

@@ -117,3 +117,28 @@ def test_fused_update_takes_one_launch_fewer(shape):
     default = _kernels_in_forward(module, x, frozenset())
     fused = _kernels_in_forward(module, x, {"fused_update"})
     assert fused == default - 1, (default, fused)
+
+
+def _kernels_in_backward(module, x, variants) -> int:
+    """Kernels of one backward of `module` at `x` under `variants`, after a warm-up step."""
+    with variants_on(variants):
+        module(x).sum().backward()
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        y = module(x)
+        dy = torch.ones_like(y)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y.backward(dy)
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_param_dtype_grads_drops_the_casts(dtype, fused):
+    module = (torch_bn_grad.nn.BatchNormAct2d(64) if fused else torch_bn_grad.nn.BatchNorm2d(64)).to("cuda", dtype)
+    x = torch.randn(8, 64, 14, 14, device="cuda", dtype=dtype, requires_grad=True)
+    default = _kernels_in_backward(module, x, frozenset())
+    uncast = _kernels_in_backward(module, x, {"param_dtype_grads"})
+    assert uncast == default - (4 if fused else 3), (default, uncast)

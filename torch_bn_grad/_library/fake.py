@@ -63,20 +63,24 @@ def _batch_norm_stats_affine_fake(src, gamma, beta, epsilon, data_format):
 @torch.library.register_fake("torch_bn_grad::batch_norm_backward")
 def _batch_norm_backward_fake(src, diff_dst, mean, variance, gamma, epsilon, data_format, training, output_mask):
     check_same_device("batch_norm_backward", src, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
-    return _backward_outputs("batch_norm_backward", src, diff_dst, mean, output_mask)
+    return _backward_outputs("batch_norm_backward", src, diff_dst, mean, output_mask, gamma)
 
 
-def _backward_outputs(op: str, src: Tensor, diff_dst: Tensor, mean: Tensor, output_mask) -> tuple[Tensor, ...]:
+def _backward_outputs(op: str, src: Tensor, diff_dst: Tensor, mean: Tensor, output_mask,
+                      *params: Optional[Tensor]) -> tuple[Tensor, ...]:
     """``(diff_src, diff_gamma, diff_beta)`` of a backward operator, each empty where
-    ``output_mask`` skips it, once ``diff_dst`` is checked against ``src``'s shape."""
+    ``output_mask`` skips it, once ``diff_dst`` is checked against ``src``'s shape.
+    The parameter gradients have the first given of ``params``' (gamma, beta)
+    dtype, else ``mean``'s (``param_grad_dtype``, csrc/args/batch_norm_args.h)."""
     torch._check_value(
         diff_dst.shape == src.shape,
         lambda: f"{op}: diff_dst must have src's shape {list(src.shape)}, got {list(diff_dst.shape)}",
     )
+    dtype = next((t.dtype for t in params if t is not None), mean.dtype)
     return (
         torch.empty_like(src) if output_mask[0] else src.new_empty(0),
-        mean.new_empty(mean.shape) if output_mask[1] else mean.new_empty(0),
-        mean.new_empty(mean.shape) if output_mask[2] else mean.new_empty(0),
+        mean.new_empty(mean.shape, dtype=dtype) if output_mask[1] else mean.new_empty(0, dtype=dtype),
+        mean.new_empty(mean.shape, dtype=dtype) if output_mask[2] else mean.new_empty(0, dtype=dtype),
     )
 
 
@@ -192,7 +196,7 @@ def _batch_norm_act_backward_fake(diff_dst, src, dst, residual, mean, variance, 
     check_same_device(op, data, diff_dst=diff_dst, residual=residual, mean=mean, variance=variance, gamma=gamma,
                       beta=beta)
     diff_residual = torch.empty_like(data) if output_mask[3] else data.new_empty(0)
-    return (*_backward_outputs(op, data, diff_dst, mean, output_mask), diff_residual)
+    return (*_backward_outputs(op, data, diff_dst, mean, output_mask, gamma, beta), diff_residual)
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_masked_forward")
@@ -225,7 +229,7 @@ def _masked_backward_fake(src, mask, diff_dst, mean, variance, gamma, epsilon, t
     op = "batch_norm_masked_backward"
     check_mask(op, src, mask)
     check_same_device(op, src, mask=mask, diff_dst=diff_dst, mean=mean, variance=variance, gamma=gamma)
-    return _backward_outputs(op, src, diff_dst, mean, output_mask)
+    return _backward_outputs(op, src, diff_dst, mean, output_mask, gamma)
 
 
 @torch.library.register_fake("torch_bn_grad::batch_norm_masked_act_backward")
@@ -236,4 +240,4 @@ def _masked_act_backward_fake(src, mask, dst, residual, diff_dst, mean, variance
     check_same_device(op, src, mask=mask, dst=dst, residual=residual, diff_dst=diff_dst, mean=mean,
                       variance=variance, gamma=gamma, beta=beta)
     diff_residual = torch.empty_like(src) if output_mask[3] else src.new_empty(0)
-    return (*_backward_outputs(op, src, diff_dst, mean, output_mask), diff_residual)
+    return (*_backward_outputs(op, src, diff_dst, mean, output_mask, gamma, beta), diff_residual)
