@@ -4,7 +4,7 @@ and fused (``convert_batchnorm(fuse=True)``), one after the other in one process
 
     python benchmarks/profile_model.py [--model resnet50] [--device cuda] [--layout channels_last]
                                        [--batch-size 64] [--resolution 224] [--steps 3] [--rows 30]
-                                       [--by-shape | --breakdown] [--compile] [--autocast bfloat16|float16]
+                                       [--by-shape | --breakdown] [--eval] [--compile] [--autocast bfloat16|float16]
 
 The "Self CUDA time total" (or CPU total on the CPU) line of each table is the
 sum over ``--steps`` steps; the wall time of a step is the model benchmark's
@@ -24,6 +24,10 @@ for ``--by-shape``).
 default inductor backend), inductor's CPU kernels named by their fused
 operators: a kernel whose name holds ``batch_norm`` counts as batch norm,
 whatever activation or addition inductor fused into it.
+
+``--eval`` profiles eval forwards (the models in eval mode, under
+``torch.no_grad``) in place of training steps, with every table above: where an
+inference spends its time, and what a faster batch norm can gain there.
 
 ``--autocast`` runs the forward under ``torch.autocast`` with that dtype
 (mixed precision: the batch norms take the convolutions' half-precision
@@ -61,6 +65,7 @@ def main() -> None:
     parser.add_argument("--by-shape", action="store_true", help="batch norm time per layer shape, native vs ours")
     parser.add_argument("--breakdown", action="store_true",
                         help="self time per step by kind of operator, and the speedup bound of ours and fused")
+    parser.add_argument("--eval", action="store_true", help="eval forwards in place of training steps")
     parser.add_argument("--compile", action="store_true",
                         help="profile the models compiled with torch.compile (inductor), CPU kernels named")
     args = parser.parse_args()
@@ -78,6 +83,9 @@ def main() -> None:
     models = {"native": native, "ours": torch_bn_grad.convert_batchnorm(copy.deepcopy(native))}
     if not args.by_shape:
         models["fused"] = torch_bn_grad.convert_batchnorm(copy.deepcopy(native), fuse=True)
+    for model in models.values():
+        model.train(not args.eval)
+    what = "eval forward" if args.eval else "training step"
     runs = models
     if args.compile:
         _compat.inductor_kernel_profile()
@@ -90,26 +98,26 @@ def main() -> None:
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     if args.breakdown:
         kinds = _interleaved_per_step(
-            models, runs, x, target, args.steps, False,
+            models, runs, x, target, args.steps, False, args.eval,
             lambda prof: step_breakdown.by_kind((e.key, e.self_cpu_time_total) for e in prof.key_averages()))
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}"
-              f"{', compiled' if args.compile else ''}{_autocast_note(args)}, self time per training step (CPU, ms), "
+              f"{', compiled' if args.compile else ''}{_autocast_note(args)}, self time per {what} (CPU, ms), "
               f"by kind of operator")
         print("\n".join(step_breakdown.report(kinds)))
         return
     if args.by_shape:
-        shapes = _interleaved_per_step(models, runs, x, target, args.steps, True, _batch_norm_by_shape)
+        shapes = _interleaved_per_step(models, runs, x, target, args.steps, True, args.eval, _batch_norm_by_shape)
         print(f"{args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}"
-              f"{_autocast_note(args)}, batch norm self time per training step (CPU, us), by input shape")
+              f"{_autocast_note(args)}, batch norm self time per {what} (CPU, us), by input shape")
         for key in sorted(shapes["native"]):
             n, o = shapes["native"][key], shapes["ours"].get(key, float("nan"))
             print(f"{key[0]:9s} {key[1]:20s} native {n:9.1f}  ours {o:9.1f}  {n / o:5.2f}x")
         print(f"total     native {sum(shapes['native'].values()):9.1f}  ours {sum(shapes['ours'].values()):9.1f}")
         return
     for name, model in models.items():
-        prof = _profile(model, runs[name], x, target, args.steps, activities, sync)
+        prof = _profile(model, runs[name], x, target, args.steps, activities, sync, args.eval)
         print(f"===== {name}: {args.model} {args.layout} batch {args.batch_size} {args.resolution}x{args.resolution}, "
-              f"{args.steps} {'compiled ' if args.compile else ''}training steps on {args.device}")
+              f"{args.steps} {'compiled ' if args.compile else ''}{what}s on {args.device}")
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=110))
 
@@ -135,27 +143,33 @@ def _batch_norm_by_shape(prof) -> dict[tuple[str, str], float]:
     return times
 
 
-def _interleaved_per_step(models: dict, runs: dict, x, target, steps: int, shapes: bool,
+def _interleaved_per_step(models: dict, runs: dict, x, target, steps: int, shapes: bool, eval_mode: bool,
                           times_of) -> dict[str, dict]:
-    """Per model, `times_of(profile)` (key -> self CPU us) per training step,
+    """Per model, `times_of(profile)` (key -> self CPU us) per step (a training
+    step, or with `eval_mode` an eval forward),
     averaged over two CPU profiles of each model taken in turn (all models,
     then all again), so that a drift of the machine falls on every model.
     `runs[name]` is what runs `models[name]` (the model itself, or compiled)."""
     per_step: dict[str, dict] = {name: {} for name in models}
     for name in list(models) * 2:
         prof = _profile(models[name], runs[name], x, target, steps, [ProfilerActivity.CPU], lambda: None,
-                        shapes=shapes)
+                        eval_mode, shapes=shapes)
         for key, us in times_of(prof).items():
             per_step[name][key] = per_step[name].get(key, 0.0) + us / (2 * steps)
     return per_step
 
 
-def _profile(model, run, x, target, steps: int, activities, sync, shapes: bool = False):
-    """A profile of `steps` training steps of `model`, run by `run` (the model, or
-    compiled), after as many unprofiled ones (the first compiles)."""
+def _profile(model, run, x, target, steps: int, activities, sync, eval_mode: bool = False, shapes: bool = False):
+    """A profile of `steps` training steps of `model` (eval forwards with
+    `eval_mode`), run by `run` (the model, or compiled), after as many
+    unprofiled ones (the first compiles)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step() -> None:
+        if eval_mode:
+            with torch.no_grad():
+                run(x)
+            return
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(run(x).float(), target).backward()
         optimizer.step()

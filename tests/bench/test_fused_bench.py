@@ -134,6 +134,18 @@ def test_profile_model_breakdown_tables_the_kinds():
     assert out[-2].startswith("ours: replaces batch norm:") and out[-1].startswith("fused: replaces batch norm,")
 
 
+def test_profile_model_eval_profiles_forwards():
+    """``--eval``: the eval forwards' batch norm per shape (no backward rows) and their breakdown."""
+    out = _profile_model("--eval", "--by-shape").stdout
+    assert "per eval forward" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward"))]
+    assert rows and all(r[0] == "forward" and float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
+    out = _profile_model("--eval", "--breakdown").stdout.splitlines()
+    rows = _breakdown_rows(out)
+    assert rows["batch norm"][0] > 0 and rows["activation"][2] == 0.0 and rows["addition"][2] == 0.0
+    assert out[-2].startswith("ours: replaces batch norm:")
+
+
 def test_profile_model_compile_refuses_by_shape():
     """``--compile --by-shape``: a compiled model calls neither batch norm operator; said before compiling."""
     done = _profile_model("--by-shape", "--compile", check=False)
