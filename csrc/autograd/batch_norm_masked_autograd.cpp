@@ -75,15 +75,21 @@ struct MaskedForwardNode : public torch::autograd::Node {
     at::Tensor diff_src, diff_gamma, diff_beta, diff_mean, diff_variance, diff_residual;
     if (grad_dst.defined()) {
       const std::array<bool, 3> wanted = {needs[0], needs[2] || frozen_stats, needs[3] || frozen_stats};
-      // Half-precision parameters with float32 statistics: the backward takes them in the statistics' dtype.
-      const OptionalTensor g_stats = g.defined() ? OptionalTensor(to_dtype(g, m.scalar_type())) : std::nullopt;
+      // Half-precision parameters beside float32 statistics: in their own dtype
+      // (backward_param_dtype), but in the statistics' where the frozen
+      // statistics' gradients or the differentiable gate compute with them.
+      const at::Tensor b = fused ? beta.unpack(self) : at::Tensor();
+      const at::ScalarType param_dtype = frozen_stats || at::GradMode::is_enabled()
+                                             ? m.scalar_type()
+                                             : backward_param_dtype(g.defined() ? g : b, m);
+      const OptionalTensor g_stats = g.defined() ? OptionalTensor(to_dtype(g, param_dtype)) : std::nullopt;
       at::Tensor ds, dg, db;
       if (!fused) {
         std::tie(ds, dg, db) = op::batch_norm_masked_backward().call(x, valid, grad_dst, m, v, g_stats, epsilon,
                                                                      batch_statistics, wanted);
       } else {
-        const at::Tensor b = beta.unpack(self), y = dst.unpack(self), r = residual.unpack(self);
-        const OptionalTensor b_stats = b.defined() ? OptionalTensor(to_dtype(b, m.scalar_type())) : std::nullopt;
+        const at::Tensor y = dst.unpack(self), r = residual.unpack(self);
+        const OptionalTensor b_stats = b.defined() ? OptionalTensor(to_dtype(b, param_dtype)) : std::nullopt;
         if (at::GradMode::is_enabled()) {  // double backward: a gate in differentiable ops
           const at::Tensor dz = times_act_grad(grad_dst, {activation, slope, epsilon, "NCX"}, x, y, r, m, v,
                                                or_undefined(g_stats), or_undefined(b_stats));

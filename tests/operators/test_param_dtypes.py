@@ -111,3 +111,16 @@ def test_half_module_backward_runs_no_cast(module):
     assert not [n for n in ops.names if "to_copy" in n or n.endswith(".to")], ops.names
     assert any("backward" in n for n in ops.names), ops.names
     assert m.weight.grad.dtype == m.bias.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("module", [bn_nn.BatchNorm1d, bn_nn.BatchNormAct1d], ids=["plain", "fused"])
+def test_half_masked_module_backward_runs_no_cast(module):
+    m = module(6).to(torch.bfloat16)
+    x = torch.randn(4, 6, 9).to(torch.bfloat16).requires_grad_()
+    lengths = torch.tensor([9, 5, 1, 7])
+    y = m(x, lengths=lengths)
+    dy = torch.randn(y.shape).to(y.dtype)
+    with _Ops() as ops:
+        y.backward(dy)
+    assert not [n for n in ops.names if "to_copy" in n or n.endswith(".to")], ops.names
+    assert m.weight.grad.dtype == m.bias.grad.dtype == torch.bfloat16
