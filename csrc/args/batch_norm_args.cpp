@@ -71,11 +71,6 @@ void check_param(const char* op, const char* name, const at::Tensor& t, const at
                     "), got ", t.sizes());
 }
 
-void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& src,
-                 const std::vector<int64_t>& stats_shape, const at::Tensor* first, const char* first_name) {
-  check_param(op, name, t, src, stats_shape, first_name, first, first_name);
-}
-
 void check_src(const char* op, const at::Tensor& src, double epsilon, c10::string_view data_format) {
   check_data_dtype(op, "src", src);
   TORCH_CHECK_VALUE(src.dim() >= 1 && src.dim() <= kMaxRank, op, ": src must have rank 1 to ",
@@ -104,7 +99,7 @@ ChannelPlan check_stage_args(const char* op, const at::Tensor& src, const at::Te
   if (diff_dst != nullptr) check_same_like_src(op, "diff_dst", *diff_dst, src);
   std::vector<int64_t> stats_shape;
   const auto kept = kept_dims(op, src, nullptr, nullptr, data_format, stats_shape);
-  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, nullptr, nullptr);
+  if (gamma.has_value()) check_param(op, "gamma", *gamma, src, stats_shape, nullptr, nullptr, nullptr);
   return build_plan(src, kept, std::move(stats_shape));
 }
 
@@ -133,7 +128,7 @@ ChannelPlan check_backward_statistics(const char* op, const at::Tensor& data, co
   check_same_device(op, "mean", mean, data);
   check_param_dtype(op, "mean", mean, data, nullptr, nullptr);
   const auto kept = kept_dims(op, data, &mean, "mean", data_format, stats_shape);
-  check_param(op, "variance", variance, data, stats_shape, &mean, "mean");
+  check_param(op, "variance", variance, data, stats_shape, "mean", &mean, "mean");
   if (gamma.has_value()) check_param(op, "gamma", *gamma, data, stats_shape, "mean", nullptr, nullptr);
   if (beta.has_value()) {
     check_param(op, "beta", *beta, data, stats_shape, "mean", gamma.has_value() ? &*gamma : nullptr, "gamma");
@@ -189,7 +184,9 @@ ChannelPlan forward_plan(const char* op, const at::Tensor& src, const std::optio
   }
   const auto kept = kept_dims(op, src, first, first_name, data_format, stats_shape);
   for (const auto& [name, t] : params) {
-    if (t->has_value() && &t->value() != first) check_param(op, name, t->value(), src, stats_shape, first, first_name);
+    if (t->has_value() && &t->value() != first) {
+      check_param(op, name, t->value(), src, stats_shape, first_name, first, first_name);
+    }
   }
   return build_plan(src, kept, std::move(stats_shape));
 }

@@ -141,11 +141,12 @@ Outputs4 batch_norm_act_backward_cpu(TBG_PARAMS(batch_norm_act_backward)) {
     if (output_mask[0]) finish_kernel_output(dx, plan);
     if (output_mask[3]) finish_kernel_output(dz, plan);
   }
+  const auto grad_dtype = param_grad_dtype(mean, gamma, beta);
   const auto param_grad = [&](const double* sums) {
-    return sums ? kernel_channels_result(sums, plan, param_grad_dtype(mean, gamma, beta), data) : at::Tensor();
+    return sums ? kernel_channels_result(sums, plan, grad_dtype, data) : at::Tensor();
   };
   return act_backward_outputs(output_mask, dx.result, param_grad(a.diff_gamma), param_grad(a.diff_beta), dz.result,
-                              data, param_grad_dtype(mean, gamma, beta));
+                              data, grad_dtype);
 }
 
 }  // namespace torch_bn_grad::cpu

@@ -107,7 +107,7 @@ Outputs4 batch_norm_act_backward_cuda(TBG_PARAMS(batch_norm_act_backward)) {
   KernelOutput dx, dz;
   if (output_mask[0] || output_mask[3]) dx = make_kernel_output(data, plan);
   if (output_mask[3]) dz = make_kernel_output(data, plan);
-  // The parameter gradients in the statistics' dtype, written by the kernel
+  // The parameter gradients in the parameters' dtype, written by the kernel
   // where it can (channel_values.cuh): a small layer's call is mostly host time.
   const auto grad_dtype = param_grad_dtype(mean, gamma, beta);
   const ChannelResult dg = output_mask[1] ? channel_result(plan, grad_dtype, data) : ChannelResult{};
