@@ -8,10 +8,11 @@ channels_last, float32, eager). One JSON for ``scripts/choose_variants.py``.
     python benchmarks/variants.py [--variants fused_update,...] [--rounds 5] [--min-run-time 0.02]
                                   [--dtypes float32,bfloat16,float16] [--no-model] [--json FILE]
 
-Each round times the default and the variant (torch.utils.benchmark, which
-waits for the GPU around each timed block; which goes first alternates), on
-the same tensors and module; a case's speedup is the median over rounds of
-default / variant. The results are
+Each round times the default and every variant once (torch.utils.benchmark,
+which waits for the GPU around each timed block; which goes first rotates),
+on the same tensors and module; a variant's speedup in a case is the median
+over rounds of default / variant, each round's against its own default. The
+JSON is written after every case, so a time limit keeps what was timed. The results are
 bitwise equal (tests/cuda/test_cuda_variants.py): only the time differs.
 """
 
@@ -60,31 +61,41 @@ def _case(shape: tuple, dtype: torch.dtype, layout: str, direction: str) -> Call
     return lambda: torch.autograd.grad(module(xg), wrt, dy)
 
 
-def _order(variant: str, round_: int) -> list[tuple[str, frozenset]]:
-    """The two paths of a round, the first of them alternating round by round (a warm-up or
+def _order(variants: list[str], round_: int) -> list[tuple[str, frozenset]]:
+    """The paths of a round: the default and each variant, rotated round by round (a warm-up or
     drift does not fall on one of them)."""
-    pair = [("default", frozenset()), ("variant", frozenset({variant}))]
-    return pair if round_ % 2 == 0 else pair[::-1]
+    paths = [("default", frozenset())] + [(v, frozenset({v})) for v in variants]
+    shift = round_ % len(paths)
+    return paths[shift:] + paths[:shift]
 
 
-def _interleaved(fn: Callable[[], object], variant: str, rounds: int, min_run_time: float) -> dict:
-    """Default and variant medians (ms) per round, alternating, and the median speedup."""
-    times = {"default": [], "variant": []}
+def _speedups(times: dict[str, list[float]], variants: list[str], digits: int) -> dict[str, dict]:
+    """Per variant: the medians (ms) and the median, least and greatest of its rounds' speedups
+    over the default of the same round."""
+    out = {}
+    for v in variants:
+        speedups = [d / t for d, t in zip(times["default"], times[v])]
+        out[v] = {"default_ms": round(statistics.median(times["default"]), digits),
+                  "variant_ms": round(statistics.median(times[v]), digits),
+                  "speedup": round(statistics.median(speedups), 4),
+                  "speedup_min": round(min(speedups), 4), "speedup_max": round(max(speedups), 4)}
+    return out
+
+
+def _interleaved(fn: Callable[[], object], variants: list[str], rounds: int, min_run_time: float) -> dict:
+    """Every path timed once a round, the default's times shared by the variants' speedups."""
+    times = {name: [] for name in ["default", *variants]}
     for r in range(rounds):
-        for name, on in _order(variant, r):
+        for name, on in _order(variants, r):
             config.cuda_variants = on
             fn()  # the plan and the allocator for this path
             times[name].append(_median_ms(fn, min_run_time))
     config.cuda_variants = frozenset()
-    speedups = [d / v for d, v in zip(times["default"], times["variant"])]
-    return {"default_ms": round(statistics.median(times["default"]), 5),
-            "variant_ms": round(statistics.median(times["variant"]), 5),
-            "speedup": round(statistics.median(speedups), 4),
-            "speedup_min": round(min(speedups), 4), "speedup_max": round(max(speedups), 4)}
+    return _speedups(times, variants, 5)
 
 
-def _model_step(variant: str, rounds: int, steps: int) -> dict:
-    """The ResNet-50 training step (batch 64, 224x224, channels_last, float32), default and variant alternating."""
+def _model_step(variants: list[str], rounds: int, steps: int) -> dict:
+    """The ResNet-50 training step (batch 64, 224x224, channels_last, float32), every path a round."""
     torch.manual_seed(0)
     model = torch_bn_grad.convert_batchnorm(resnets.MODELS["resnet50"](1000)).to("cuda", memory_format=torch.channels_last)
     x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
@@ -97,9 +108,9 @@ def _model_step(variant: str, rounds: int, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
 
-    times = {"default": [], "variant": []}
+    times = {name: [] for name in ["default", *variants]}
     for r in range(rounds):
-        for name, on in _order(variant, r):
+        for name, on in _order(variants, r):
             config.cuda_variants = on
             step()
             per_step = []
@@ -109,12 +120,8 @@ def _model_step(variant: str, rounds: int, steps: int) -> dict:
                 per_step.append(time.perf_counter() - start)
             times[name].append(statistics.median(per_step) * 1e3)
     config.cuda_variants = frozenset()
-    speedups = [d / v for d, v in zip(times["default"], times["variant"])]
-    return {"model": "resnet50", "batch": 64, "resolution": 224, "layout": "channels_last", "dtype": "float32",
-            "default_ms": round(statistics.median(times["default"]), 3),
-            "variant_ms": round(statistics.median(times["variant"]), 3),
-            "speedup": round(statistics.median(speedups), 4),
-            "speedup_min": round(min(speedups), 4), "speedup_max": round(max(speedups), 4)}
+    about = {"model": "resnet50", "batch": 64, "resolution": 224, "layout": "channels_last", "dtype": "float32"}
+    return {v: {**about, **r} for v, r in _speedups(times, variants, 3).items()}
 
 
 def _commit() -> str:
@@ -144,29 +151,32 @@ def main() -> None:
               "date": datetime.date.today().isoformat(), "variants": {}}
     print(report["device"])
     for variant in variants:
-        cases = []
-        for shape in SHAPES:
-            for dtype_name in args.dtypes.split(","):
-                for layout in ops.LAYOUTS:
-                    if layout == "channels_last" and len(shape) < 4:
-                        continue
-                    for direction in DIRECTIONS:
-                        fn = _case(shape, ops.DTYPES[dtype_name], layout, direction)
-                        r = {"shape": list(shape), "dtype": dtype_name, "layout": layout, "direction": direction,
-                             **_interleaved(fn, variant, args.rounds, args.min_run_time)}
-                        cases.append(r)
-                        print(f"{variant:14s} {'x'.join(map(str, shape)):>16s} {dtype_name:9s} {layout:13s} "
+        report["variants"][variant] = {"cases": []}
+
+    def write() -> None:  # after every case: a time limit that stops the run keeps what was timed
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+    for shape in SHAPES:
+        for dtype_name in args.dtypes.split(","):
+            for layout in ops.LAYOUTS:
+                if layout == "channels_last" and len(shape) < 4:
+                    continue
+                for direction in DIRECTIONS:
+                    fn = _case(shape, ops.DTYPES[dtype_name], layout, direction)
+                    for variant, r in _interleaved(fn, variants, args.rounds, args.min_run_time).items():
+                        r = {"shape": list(shape), "dtype": dtype_name, "layout": layout, "direction": direction, **r}
+                        report["variants"][variant]["cases"].append(r)
+                        print(f"{variant:24s} {'x'.join(map(str, shape)):>16s} {dtype_name:9s} {layout:13s} "
                               f"{direction:8s} default {r['default_ms']:8.4f} ms  variant {r['variant_ms']:8.4f} ms"
                               f"  {r['speedup']:.3f}x ({r['speedup_min']:.3f}-{r['speedup_max']:.3f})", flush=True)
-        entry = {"cases": cases}
-        if not args.no_model:
-            entry["model"] = _model_step(variant, args.rounds, args.model_steps)
-            m = entry["model"]
-            print(f"{variant:14s} resnet50 b64 step default {m['default_ms']:.2f} ms  variant {m['variant_ms']:.2f} ms"
+                    write()
+    if not args.no_model:
+        for variant, m in _model_step(variants, args.rounds, args.model_steps).items():
+            report["variants"][variant]["model"] = m
+            print(f"{variant:24s} resnet50 b64 step default {m['default_ms']:.2f} ms  variant {m['variant_ms']:.2f} ms"
                   f"  {m['speedup']:.3f}x ({m['speedup_min']:.3f}-{m['speedup_max']:.3f})", flush=True)
-        report["variants"][variant] = entry
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        write()
 
 
 if __name__ == "__main__":

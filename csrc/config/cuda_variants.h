@@ -18,9 +18,12 @@ namespace torch_bn_grad {
 // fused_update: the running-statistics update in the training forward's kernels.
 // param_dtype_grads: a half-precision model's parameters into the backward
 // kernels uncast, their gradients out in their dtype (autograd/channel_algebra.h).
-#define TBG_CUDA_VARIANTS(X)      \
-  X(kFusedUpdate, "fused_update") \
-  X(kParamDtypeGrads, "param_dtype_grads")
+// last_block_coefficients: the two-kernel path's coefficients stored by the
+// last block of its first stage (cuda/last_block.cuh): two launches, not three.
+#define TBG_CUDA_VARIANTS(X)                \
+  X(kFusedUpdate, "fused_update")           \
+  X(kParamDtypeGrads, "param_dtype_grads")  \
+  X(kLastBlockCoefficients, "last_block_coefficients")
 
 enum class CudaVariant : int {
 #define TBG_CUDA_VARIANT_ENUM(id, name) id,

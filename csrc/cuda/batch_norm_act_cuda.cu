@@ -154,11 +154,9 @@ Outputs4 batch_norm_act_backward_cuda(TBG_PARAMS(batch_norm_act_backward)) {
         if (need_sums && M > 0) {
           scalar_t* dst = need_pass ? dx.buffer.mutable_data_ptr<scalar_t>() : nullptr;
           if (persistent_backward<scalar_t>(x, dy, centre_k, dst, e, args, ep)) return;
-          partials = grad_sum_partials<scalar_t>(x, dy, centre_k, e, ep);
-          args.partials = partials.data;
-          args.per_channel = partials.per_channel;
+          partials = grad_sum_partials<scalar_t>(x, dy, centre_k, e, &args, ep);
         }
-        backward_coefficients(args);
+        if (!partials.finished) backward_coefficients(args);
         if (need_pass) {
           const math::AffineArrays<A> coef{centre_k.const_data_ptr<A>(), dy_scale, dy_scale + C, dy_scale + 2 * C};
           apply_affine<scalar_t, true>(x, dy.const_data_ptr<scalar_t>(), dx.buffer, e, coef, ep);

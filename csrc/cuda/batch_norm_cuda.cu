@@ -75,11 +75,9 @@ Outputs3 batch_norm_backward_cuda(TBG_PARAMS(batch_norm_backward)) {
       if (need_sums && M > 0) {
         scalar_t* dst = need_diff_src ? out.buffer.mutable_data_ptr<scalar_t>() : nullptr;
         if (persistent_backward<scalar_t>(x, dy, mean_k, dst, e, args)) return;
-        partials = grad_sum_partials<scalar_t>(x, dy, mean_k, e);
-        args.partials = partials.data;
-        args.per_channel = partials.per_channel;
+        partials = grad_sum_partials<scalar_t>(x, dy, mean_k, e, &args);
       }
-      backward_coefficients(args);
+      if (!partials.finished) backward_coefficients(args);
 
       if (need_diff_src) {
         const math::AffineArrays<A> coef{mean_k.const_data_ptr<A>(), dy_scale, dy_scale + e.channels,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "cuda/thread_states.cuh"
 
@@ -46,6 +47,20 @@ __device__ __forceinline__ S warp_reduce(S s) {
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset /= 2) s = merge(s, shfl_down(s, offset));
   return s;
+}
+
+// warp_reduce's result in lane 0, computed by one thread from the lanes'
+// states lane(i), i < kWarp: the same merges in the same tree (lane 0 ends with
+// R(0, 1), where R(i, o) = merge(R(i, 2o), R(i + o, 2o)) and R(i, kWarp) is
+// lane i's state), so the same bits. Depth first, so that only a few states
+// are live at once.
+template <int kStride = 1, typename Lane>
+__device__ __forceinline__ auto warp_tree(int i, const Lane& lane) {
+  if constexpr (kStride == kWarp) {
+    return lane(i);
+  } else {
+    return merge(warp_tree<2 * kStride>(i, lane), warp_tree<2 * kStride>(i + kStride, lane));
+  }
 }
 
 // All kThreads threads of the block; the result is valid in thread (0, 0).
@@ -96,20 +111,64 @@ __device__ __forceinline__ int group_rank() {
   return static_cast<int>(threadIdx.x) % kGroup;
 }
 
+// Partials as stored, read through the caches. PlainLoad is the coefficient
+// kernels': they run after the kernel that wrote the partials. A block that
+// reads partials other blocks of its own kernel wrote (last_block.cuh) reads
+// them from L2 (CoherentLoad), which every block's stores reach, not from
+// its SM's L1, which is not kept coherent with them.
+struct PlainLoad {
+  template <typename S>
+  __device__ __forceinline__ S operator()(const S* p) const {
+    return *p;
+  }
+};
+
+struct CoherentLoad {
+  template <typename S>
+  __device__ __forceinline__ S operator()(const S* p) const {
+    static_assert(sizeof(S) % sizeof(unsigned long long) == 0, "partials are made of 8-byte fields");
+    constexpr int kWords = sizeof(S) / sizeof(unsigned long long);
+    unsigned long long words[kWords];
+    const auto* from = reinterpret_cast<const unsigned long long*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) words[i] = __ldcg(from + i);
+    S s;
+    memcpy(&s, words, sizeof(S));
+    return s;
+  }
+};
+
+// Thread `rank`'s state in merge_partials before its group's tree.
+template <int kGroup, typename S, typename Load>
+__device__ __forceinline__ S rank_partials(const S* partials, int64_t per_channel, int64_t k, int rank,
+                                           const Load& load) {
+  S m{};
+  for (int64_t i = rank; i < per_channel; i += kGroup) m = math::merge(m, load(partials + k * per_channel + i));
+  return m;
+}
+
 // Thread `rank` of channel k's group merges partials rank, rank + kGroup, ...
 // in float64 (Chan's formula for moments), then the group's threads are merged
 // in a fixed tree; the result is valid in rank 0. Every thread of the group
-// must call it (the block's reduction synchronizes).
-template <int kGroup, typename S>
-__device__ __forceinline__ S merge_channel(const S* partials, int64_t per_channel, int64_t k,
-                                           S (&shared)[kThreads / kWarp]) {
-  S m{};
-  for (int64_t i = group_rank<kGroup>(); i < per_channel; i += kGroup) m = math::merge(m, partials[k * per_channel + i]);
+// must call it (the block's reduction synchronizes). A group of kThreads is the
+// whole block, `rank` its thread's index in it.
+template <int kGroup, typename S, typename Load = PlainLoad>
+__device__ __forceinline__ S merge_partials(const S* partials, int64_t per_channel, int64_t k, int rank,
+                                            S (&shared)[kThreads / kWarp], const Load& load = Load{}) {
+  static_assert(kGroup == kWarp || kGroup == kThreads, "a channel's group is a warp or a block");
+  const S m = rank_partials<kGroup>(partials, per_channel, k, rank, load);
   if constexpr (kGroup == kWarp) {
     return warp_reduce(m);
   } else {
     return block_reduce(m, shared);
   }
+}
+
+// merge_partials for the coefficient kernels, whose blocks are one-dimensional.
+template <int kGroup, typename S>
+__device__ __forceinline__ S merge_channel(const S* partials, int64_t per_channel, int64_t k,
+                                           S (&shared)[kThreads / kWarp]) {
+  return merge_partials<kGroup>(partials, per_channel, k, group_rank<kGroup>(), shared);
 }
 
 }  // namespace torch_bn_grad::cuda

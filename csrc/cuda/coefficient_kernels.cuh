@@ -67,6 +67,18 @@ __device__ __forceinline__ void store_forward_coefficients(const ForwardCoeffici
   if (a.running.wanted()) a.running.apply(k, c.mean, static_cast<A>(variance));
 }
 
+// The same from the channel's merged moments.
+template <typename A>
+__device__ __forceinline__ void store_forward_coefficients(const ForwardCoefficientArgs<A>& a, int64_t k,
+                                                           const Moments<double>& m) {
+  store_forward_coefficients(a, k, m.mean, math::variance_of(m));
+}
+
+template <typename A>
+__device__ __forceinline__ void store_merged(const ForwardCoefficientArgs<A>& a, int64_t k, const Moments<double>& m) {
+  store_forward_coefficients(a, k, m);
+}
+
 // kGroup threads a channel (block_reduce.cuh's merge_channel).
 template <typename A, int kGroup>
 __global__ void __launch_bounds__(kThreads) forward_coefficients_kernel(ForwardCoefficientArgs<A> a) {
@@ -128,6 +140,14 @@ __device__ __forceinline__ void store_backward_coefficients(const BackwardCoeffi
   const math::ParameterGrads grads = math::parameter_grads(rstd, sums);
   if (p.diff_gamma.wanted()) p.diff_gamma.set(k, grads.diff_gamma);
   if (p.diff_beta.wanted()) p.diff_beta.set(k, grads.diff_beta);
+}
+
+// Channel k's coefficients from its merged partials, forward (above) or
+// backward: the last block's store (last_block.cuh).
+template <typename A>
+__device__ __forceinline__ void store_merged(const BackwardCoefficientArgs<A>& p, int64_t k,
+                                             const GradSums<double>& sums) {
+  store_backward_coefficients(p, k, sums);
 }
 
 template <typename A, int kGroup>

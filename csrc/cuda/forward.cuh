@@ -73,16 +73,14 @@ ForwardResult forward_cuda(const ChannelPlan& plan, const at::Tensor& src, const
         Partials<Moments<double>> partials;  // these stay alive until the kernels are queued
         ChannelValues mean_v, var_v;
         if (batch_statistics) {
-          partials = moment_partials<scalar_t>(x, e);
-          args.partials = partials.data;
-          args.per_channel = partials.per_channel;
+          partials = moment_partials<scalar_t>(x, e, &args);
         } else {
           mean_v = channel_values(mean, plan, src);
           var_v = channel_values(variance, plan, src);
           args.mean = mean_v.in;
           args.variance = var_v.in;
         }
-        forward_coefficients(args);
+        if (!partials.finished) forward_coefficients(args);
         const math::AffineArrays<A> c{mean_k.const_data_ptr<A>(), nullptr, x_scale, bias};
         apply_affine<scalar_t, false>(x, nullptr, out.buffer, e, c, ep);
       });

@@ -16,12 +16,16 @@
 #include <optional>
 
 #include "args/batch_norm_args.h"
+#include "config/cuda_variants.h"
 #include "math/batch_norm_math.h"
 #include "cuda/affine_kernels.cuh"
 #include "cuda/block_reduce.cuh"
+#include "cuda/coefficient_kernels.cuh"
+#include "cuda/last_block.cuh"
 #include "cuda/launch_plan.cuh"
 #include "cuda/persistent_kernels.cuh"
 #include "cuda/reduce_kernels.cuh"
+#include "cuda/stream_counters.h"
 #include "math/extent.h"
 
 namespace torch_bn_grad::cuda {
@@ -81,12 +85,15 @@ template <typename T>
 using Acc = at::opmath_type<T>;
 
 // First-stage results: `per_channel` objects per channel, each channel's
-// contiguous, in uninitialized device storage.
+// contiguous, in uninitialized device storage. `finished`: the first stage's
+// kernel also stored the coefficients (last_block.cuh), so no coefficient
+// kernel is to run.
 template <typename S>
 struct Partials {
   at::Tensor storage;
   S* data = nullptr;
   int64_t per_channel = 0;
+  bool finished = false;
 
   Partials() = default;
   Partials(int64_t channels, int64_t per_channel, const at::Tensor& like)
@@ -96,26 +103,72 @@ struct Partials {
         per_channel(per_channel) {}
 };
 
+// Whether the last blocks of a first-stage kernel can store the
+// coefficients (last_block.cuh): always for planes; for columns, where a
+// tile holds whole channels (inner == 1) and each has few enough partials
+// for a thread to merge.
+inline bool last_block_finishes(const PlaneLaunch&, const Extent&) { return true; }
+inline bool last_block_finishes(const ColumnLaunch& l, const Extent& e) {
+  return e.inner == 1 && l.grid.y <= kLastBlockColumnPartials;
+}
+
+// Launches a first-stage kernel, launch(finish): with a LastBlockFinish, so
+// that its last blocks store `coefficients` (the last_block_coefficients
+// variant), where the variant is on and applies to launch `l`, and counters
+// are to be had (stream_counters); else with NoFinish, as without
+// `coefficients`. Only whole vectors (N > 1) take the variant: its kernels are
+// compiled for them alone. Points `coefficients` at the partials either way.
+template <int N, typename Args, typename S, typename L, typename Launch>
+void launch_first_stage(Args* coefficients, Partials<S>& p, const L& l, const Extent& e, const Launch& launch) {
+  if (coefficients != nullptr) {
+    coefficients->partials = p.data;
+    coefficients->per_channel = p.per_channel;
+  }
+  if constexpr (N > 1) {
+    if (coefficients != nullptr && cuda_variant_on(CudaVariant::kLastBlockCoefficients) && last_block_finishes(l, e)) {
+      if (unsigned* counters = stream_counters(l.grid.x)) {
+        p.finished = true;
+        launch(LastBlockFinish<Args>{*coefficients, counters});
+        return;
+      }
+    }
+  }
+  launch(NoFinish{});
+}
+
+// The first stage's moments. Given `coefficients` (the forward's, batch
+// statistics), it points them at the partials and, where the
+// last_block_coefficients variant applies, stores them too (`finished`).
 template <typename T>
-Partials<Moments<double>> moment_partials(const at::Tensor& x, const Extent& e) {
+Partials<Moments<double>> moment_partials(const at::Tensor& x, const Extent& e,
+                                          ForwardCoefficientArgs<Acc<T>>* coefficients = nullptr) {
   const T* xp = x.const_data_ptr<T>();
   Partials<Moments<double>> p;
   launch_partitioned<T>(
       e, {xp},
       [&](const PlaneLaunch& l, auto n) {
+        constexpr int N = decltype(n)::value;
         p = {e.channels, l.partials_per_channel(), x};
-        plane_moments_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data);
+        launch_first_stage<N>(coefficients, p, l, e, [&](const auto& finish) {
+          plane_moments_kernel<T, N><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data, finish);
+        });
       },
       [&](const ColumnLaunch& l, auto n) {
+        constexpr int N = decltype(n)::value;
         p = {e.channels, l.partials_per_channel(), x};
-        column_moments_kernel<T, decltype(n)::value><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data);
+        launch_first_stage<N>(coefficients, p, l, e, [&](const auto& finish) {
+          column_moments_kernel<T, N><<<l.grid, l.block, 0, stream()>>>(xp, l.g, p.data, finish);
+        });
       });
   return p;
 }
 
+// The first stage's gradient sums; `coefficients` (the backward's) as in
+// moment_partials.
 template <typename T, typename E = PlainEpilogue>
-Partials<GradSums<double>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy,
-                                             const at::Tensor& mean, const Extent& e, const E& ep = E{}) {
+Partials<GradSums<double>> grad_sum_partials(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& mean,
+                                             const Extent& e, BackwardCoefficientArgs<Acc<T>>* coefficients = nullptr,
+                                             const E& ep = E{}) {
   const T* xp = x.const_data_ptr<T>();
   const T* dp = dy.const_data_ptr<T>();
   const Acc<T>* mp = mean.const_data_ptr<Acc<T>>();
@@ -123,13 +176,18 @@ Partials<GradSums<double>> grad_sum_partials(const at::Tensor& x, const at::Tens
   launch_partitioned<T>(
       e, {xp, dp},
       [&](const PlaneLaunch& l, auto n) {
+        constexpr int N = decltype(n)::value;
         p = {e.channels, l.partials_per_channel(), x};
-        plane_grad_sums_kernel<T, decltype(n)::value, E><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data, ep);
+        launch_first_stage<N>(coefficients, p, l, e, [&](const auto& finish) {
+          plane_grad_sums_kernel<T, N, E><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data, ep, finish);
+        });
       },
       [&](const ColumnLaunch& l, auto n) {
+        constexpr int N = decltype(n)::value;
         p = {e.channels, l.partials_per_channel(), x};
-        column_grad_sums_kernel<T, decltype(n)::value, E>
-            <<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data, ep);
+        launch_first_stage<N>(coefficients, p, l, e, [&](const auto& finish) {
+          column_grad_sums_kernel<T, N, E><<<l.grid, l.block, 0, stream()>>>(xp, dp, mp, l.g, p.data, ep, finish);
+        });
       });
   return p;
 }

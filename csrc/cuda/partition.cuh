@@ -65,6 +65,18 @@ __device__ __forceinline__ int64_t owned_column() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
 
+// With inner == 1 a column is a channel: the channels of tile blockIdx.x, N
+// per column vector, from the first on.
+template <int N>
+__device__ __forceinline__ int64_t tile_channels_first() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x * N;
+}
+
+template <int N>
+__device__ __forceinline__ int64_t tile_channels_count(const ColumnGrid& g) {
+  return min64(g.columns * N - tile_channels_first<N>(), static_cast<int64_t>(blockDim.x) * N);
+}
+
 // Four rows a trip, with no bounds test between them, so that their loads are
 // in flight together (one at a time leaves the reductions at about half the
 // elementwise pass's bandwidth); the order is that of one row a

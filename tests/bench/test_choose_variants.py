@@ -5,6 +5,7 @@ benchmarks/variants.py refuses to run without a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import torch_bn_grad
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -84,3 +87,27 @@ def test_variant_bench_needs_a_gpu():
                           cwd=ROOT)
     assert done.returncode != 0
     assert "no CUDA device is available" in done.stderr
+
+
+def test_variant_bench_times_every_path_each_round():
+    """benchmarks/variants.py's interleaving (run on the CPU, where the switch changes nothing): each
+    round times the default and every variant, rotated, and each variant's speedup is taken over
+    the default of the same round."""
+    spec = importlib.util.spec_from_file_location("benchmark_variants", ROOT / "benchmarks" / "variants.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+
+    names = ["fused_update", "param_dtype_grads"]
+    firsts = [variants._order(names, r)[0][0] for r in range(3)]
+    assert sorted(firsts) == ["default", *names]
+    assert all(sorted(p for p, _ in variants._order(names, r)) == sorted(["default", *names]) for r in range(3))
+    speed = variants._speedups({"default": [2.0, 4.0, 3.0], "fused_update": [1.0, 4.0, 6.0],
+                                "param_dtype_grads": [2.0, 2.0, 3.0]}, names, 3)
+    assert speed["fused_update"] == {"default_ms": 3.0, "variant_ms": 4.0, "speedup": 1.0, "speedup_min": 0.5,
+                                     "speedup_max": 2.0}
+    assert speed["param_dtype_grads"]["speedup"] == 1.0 and speed["param_dtype_grads"]["speedup_max"] == 2.0
+    calls = []
+    timed = variants._interleaved(lambda: calls.append(torch_bn_grad.config.cuda_variants), names, 2, 0.001)
+    assert set(timed) == set(names) and all(r["default_ms"] > 0 and r["variant_ms"] > 0 for r in timed.values())
+    assert {frozenset(), frozenset({names[0]}), frozenset({names[1]})} <= set(calls)
+    assert torch_bn_grad.config.cuda_variants == frozenset()

@@ -59,7 +59,21 @@ CASES = [
      torch.float32, torch.float32, True),
     ("act-leaky-bfloat16", lambda: torch_bn_grad.nn.BatchNormAct2d(16, activation="leaky_relu"), (4, 16, 8, 8),
      torch.contiguous_format, torch.bfloat16, torch.bfloat16, False),
+    # Two-kernel columns whose tiles the last block finishes (13 and 25 row splits), and planes whose
+    # channels have 256 partials (the block merge).
+    ("2d-channels-last-late", lambda: torch_bn_grad.nn.BatchNorm2d(512), (32, 512, 7, 7), torch.channels_last,
+     torch.float32, torch.float32, False),
+    ("2d-channels-last-late-bfloat16", lambda: torch_bn_grad.nn.BatchNorm2d(512), (64, 512, 7, 7),
+     torch.channels_last, torch.bfloat16, torch.float32, False),
+    ("act-relu-residual-late", lambda: torch_bn_grad.nn.BatchNormAct2d(512), (32, 512, 7, 7), torch.channels_last,
+     torch.float16, torch.float16, True),
+    ("2d-planes-block-merge", lambda: torch_bn_grad.nn.BatchNorm2d(4), (16, 4, 512, 512), torch.contiguous_format,
+     torch.float32, torch.float32, False),
 ]
+
+# Each variant alone, then all of them at once (they touch the same kernels: the
+# forward's running update is stored where the last block stores the coefficients).
+VARIANT_SETS = [frozenset({name}) for name in VARIANTS] + [frozenset(VARIANTS)]
 
 
 def _steps(case, variants):
@@ -89,11 +103,11 @@ def _steps(case, variants):
     return results + params + [b.clone() for b in module.buffers()]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variants", VARIANT_SETS, ids=lambda v: "+".join(sorted(v)))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_variant_is_bitwise_the_default(case, variant):
+def test_variant_is_bitwise_the_default(case, variants):
     default = _steps(case, frozenset())
-    chosen = _steps(case, {variant})
+    chosen = _steps(case, variants)
     assert len(default) == len(chosen)
     for i, (a, b) in enumerate(zip(default, chosen)):
         assert a.dtype == b.dtype and a.shape == b.shape, i
@@ -142,3 +156,21 @@ def test_param_dtype_grads_drops_the_casts(dtype, fused):
     default = _kernels_in_backward(module, x, frozenset())
     uncast = _kernels_in_backward(module, x, {"param_dtype_grads"})
     assert uncast == default - (4 if fused else 3), (default, uncast)
+
+
+# (shape, memory format, launches saved a direction): two-kernel planes; columns of 13 row splits;
+# columns of 98, more than a thread of the last block merges (the coefficient kernel's warps do).
+LAST_BLOCK_CASES = [
+    ((32, 64, 28, 28), torch.contiguous_format, 1),
+    ((32, 512, 7, 7), torch.channels_last, 1),
+    ((32, 64, 28, 28), torch.channels_last, 0),
+]
+
+
+@pytest.mark.parametrize("shape,fmt,saved", LAST_BLOCK_CASES, ids=["planes", "columns", "columns-many-splits"])
+def test_last_block_coefficients_takes_one_launch_fewer(shape, fmt, saved):
+    module = torch_bn_grad.nn.BatchNorm2d(shape[1]).cuda()
+    x = torch.randn(shape, device="cuda").contiguous(memory_format=fmt).requires_grad_()
+    variant = {"last_block_coefficients"}
+    assert _kernels_in_forward(module, x, variant) == _kernels_in_forward(module, x, frozenset()) - saved
+    assert _kernels_in_backward(module, x, variant) == _kernels_in_backward(module, x, frozenset()) - saved
