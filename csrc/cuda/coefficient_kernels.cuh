@@ -67,16 +67,11 @@ __device__ __forceinline__ void store_forward_coefficients(const ForwardCoeffici
   if (a.running.wanted()) a.running.apply(k, c.mean, static_cast<A>(variance));
 }
 
-// The same from the channel's merged moments.
-template <typename A>
-__device__ __forceinline__ void store_forward_coefficients(const ForwardCoefficientArgs<A>& a, int64_t k,
-                                                           const Moments<double>& m) {
-  store_forward_coefficients(a, k, m.mean, math::variance_of(m));
-}
-
+// The same from the channel's merged moments (the persistent kernels', the
+// last block's: last_block.cuh).
 template <typename A>
 __device__ __forceinline__ void store_merged(const ForwardCoefficientArgs<A>& a, int64_t k, const Moments<double>& m) {
-  store_forward_coefficients(a, k, m);
+  store_forward_coefficients(a, k, m.mean, math::variance_of(m));
 }
 
 // kGroup threads a channel (block_reduce.cuh's merge_channel).
@@ -142,8 +137,8 @@ __device__ __forceinline__ void store_backward_coefficients(const BackwardCoeffi
   if (p.diff_beta.wanted()) p.diff_beta.set(k, grads.diff_beta);
 }
 
-// Channel k's coefficients from its merged partials, forward (above) or
-// backward: the last block's store (last_block.cuh).
+// The backward's store_merged: channel k's coefficients and parameter
+// gradients from its merged sums (the last block's store).
 template <typename A>
 __device__ __forceinline__ void store_merged(const BackwardCoefficientArgs<A>& p, int64_t k,
                                              const GradSums<double>& sums) {

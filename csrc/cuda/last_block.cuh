@@ -64,13 +64,13 @@ __device__ __forceinline__ void merge_last_channel(const Args& args, const S* pa
   __shared__ S shared[kThreads / kWarp];
   const int64_t per_channel = gridDim.y;
   const int tid = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+  S m{};
   if (per_channel >= kBlockMergeMinPartials) {
-    const S m = merge_partials<kThreads>(partials, per_channel, k, tid, shared, CoherentLoad{});
-    if (tid == 0) store_merged(args, k, m);
+    m = merge_partials<kThreads>(partials, per_channel, k, tid, shared, CoherentLoad{});
   } else if (tid < kWarp) {
-    const S m = merge_partials<kWarp>(partials, per_channel, k, tid, shared, CoherentLoad{});
-    if (tid == 0) store_merged(args, k, m);
+    m = merge_partials<kWarp>(partials, per_channel, k, tid, shared, CoherentLoad{});
   }
+  if (tid == 0) store_merged(args, k, m);
 }
 
 // The last block of a tile of columns (inner == 1): channels [first, first +

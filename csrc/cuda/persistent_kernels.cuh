@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
   const ShiftedSums<A> s = block_reduce(fold(lanes), shared);
   if (threadIdx.x == 0) {
     const Moments<double> m = partial_of(s, centre[0]);
-    store_forward_coefficients(a, k, m);
+    store_merged(a, k, m);
   }
   __syncthreads();
   const A mean = a.affine.mean[k], x_scale = a.affine.x_scale[k], bias = a.affine.bias[k];
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const Moments<double> m = partial_of(lane(lanes, j), centre[j]);
-      store_forward_coefficients(a, column * N + j, m);
+      store_merged(a, column * N + j, m);
     }
   }
   __syncthreads();
